@@ -1,0 +1,369 @@
+"""The DeepSeek-V4 target model: one definition for every platform.
+
+Legend: T tokens in the flattened ragged batch, B sequences, n hc streams, H hidden, h heads,
+D latent width (K = V), R rotary dims, E experts, A active experts.
+
+Parameter names follow the official checkpoint (`layers.N.attn.wq_a.weight`, `layers.N.hc_attn_fn`,
+`layers.N.ffn.experts.E.w1.weight`, `hc_head_fn`, `head.weight`, ...), so the official layout loads
+without renaming. Compute-heavy pieces go through `sparkspec.ops` (chosen once per platform).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkspec.config import CSA, ModelConfig, yarn_inv_freq
+from sparkspec.models.cache import LayerCache, SequenceCache
+from sparkspec.ops import ops
+from sparkspec.ops.indices import swa_compressed_indices
+
+FP32_PARAM_SUFFIXES = ("attn_sink", "ape", "gate.bias", "hc_attn_fn", "hc_attn_base", "hc_attn_scale",
+                       "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "hc_head_fn", "hc_head_base", "hc_head_scale")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (self.weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def rms_noweight(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """GPT-J (interleaved pairs) RoPE on the last `dim` features."""
+
+    def __init__(self, dim: int, inv_freq: torch.Tensor):
+        super().__init__()
+        self.dim = dim
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, R/2]
+        return freqs.cos(), freqs.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x: [T, ..., F] with the rotary dims last; positions [T]."""
+        cos, sin = self.cos_sin(positions)
+        if inverse:
+            sin = -sin
+        shape = [cos.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[1]]
+        cos, sin = cos.view(shape), sin.view(shape)
+        nope, rope = x[..., : -self.dim], x[..., -self.dim :].float()
+        even, odd = rope[..., 0::2], rope[..., 1::2]
+        rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+        return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+class Compressor(nn.Module):
+    """Gated pooling of `ratio` positions into one compressed entry (ratio 4: overlapping windows of 2·ratio)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int):
+        super().__init__()
+        self.ratio, self.head_dim = ratio, head_dim
+        self.overlap = ratio == 4
+        width = head_dim * (2 if self.overlap else 1)
+        self.wkv = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.wgate = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, width))
+        self.norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+
+    def states(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position partial state: (kv [T, c·d] fp32, score + ape [T, c·d] fp32)."""
+        xf = x.float()
+        kv = F.linear(xf, self.wkv.weight.float())
+        score = F.linear(xf, self.wgate.weight.float()) + self.ape.float()[positions % self.ratio]
+        return kv, score
+
+    def emit(self, kv_rows: torch.Tensor, score_rows: torch.Tensor, first: int, count: int,
+             rotary: Rotary) -> torch.Tensor:
+        """Entries first..first+count-1 from per-position state rows [0, (first+count)·ratio) -> [count, d] fp32."""
+        r, d = self.ratio, self.head_dim
+        j = torch.arange(first, first + count, device=kv_rows.device)
+        cur = (j * r).unsqueeze(1) + torch.arange(r, device=kv_rows.device)  # [N, r]
+        if self.overlap:
+            prev = cur - r
+            has_prev = (prev >= 0).unsqueeze(-1)
+            kv = torch.cat([kv_rows[prev.clamp(min=0), :d], kv_rows[cur, d:]], dim=1)
+            prev_score = score_rows[prev.clamp(min=0), :d].masked_fill(~has_prev, float("-inf"))
+            score = torch.cat([prev_score, score_rows[cur, d:]], dim=1)
+        else:
+            kv, score = kv_rows[cur], score_rows[cur]
+        pooled = self.norm(ops.compress_pool(kv, score))
+        return rotary.apply(pooled, j * r)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: picks the top `index_topk` compressed entries per query (CSA layers)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(cfg, ratio, self.head_dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        self.ratio = cfg.compress_ratio(layer_id)
+        self.scale = self.head_dim ** -0.5
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        compressed = self.ratio > 1
+        theta = cfg.compress_rope_theta if compressed else cfg.rope_theta
+        inv = yarn_inv_freq(cfg.qk_rope_head_dim, theta, cfg.yarn if compressed else None)
+        self.rotary = Rotary(cfg.qk_rope_head_dim, inv)
+        self.compressor = Compressor(cfg, self.ratio, self.head_dim) if compressed else None
+        is_csa = layer_id < cfg.num_hidden_layers and cfg.layer_types[layer_id] == CSA
+        self.indexer = Indexer(cfg, self.ratio) if is_csa else None
+
+    # -- pieces reused by the drafters --
+    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q [T, h, D] normalised + RoPE, q_lora [T, q_lora_rank])."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
+        q = rms_noweight(q, self.cfg.rms_norm_eps)
+        return self.rotary.apply(q, positions), qr
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """-> kv [T, D]: the shared K = V latent, normalised, RoPE at `positions`."""
+        return self.rotary.apply(self.kv_norm(self.wkv(x)), positions)
+
+    def project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """o [T, h, D] -> inverse RoPE -> grouped wo_a -> wo_b -> [T, H]."""
+        T, g = o.shape[0], self.cfg.o_groups
+        o = self.rotary.apply(o, positions, inverse=True).reshape(T, g, -1)  # [T, g, h·D/g]
+        w = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)  # [g, o_lora, h·D/g]
+        z = torch.einsum("tgi,goi->tgo", o, w).reshape(T, -1)
+        return self.wo_b(z)
+
+    # -- target forward over a ragged batch --
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: "Batch") -> torch.Tensor:
+        q, qr = self.project_q(x, positions)
+        kv = self.project_kv(x, positions)
+        if self.compressor is not None:
+            comp_kv, comp_score = self.compressor.states(x, positions)
+        if self.indexer is not None:
+            idx_kv, idx_score = self.indexer.compressor.states(x, positions)
+            iq = self.indexer.wq_b(qr).view(x.shape[0], self.indexer.n_heads, self.indexer.head_dim)
+            iq = self.rotary.apply(iq, positions)
+            iw = self.indexer.weights_proj(x).float() * self.indexer.n_heads ** -0.5
+        pools, index_rows, offset = [], [], 0
+        for r, (s, e) in enumerate(batch.spans):
+            lc: LayerCache = batch.caches[r].layers[self.layer_id]
+            start = batch.starts[r]
+            end = start + (e - s)
+            lc.kv.write(start, kv[s:e])
+            num_comp, topk = 0, None
+            if self.compressor is not None:
+                lc.comp_kv.write(start, comp_kv[s:e])
+                lc.comp_score.write(start, comp_score[s:e])
+                first, num_comp = start // self.ratio, end // self.ratio
+                if num_comp > first:
+                    entries = self.compressor.emit(lc.comp_kv.view(), lc.comp_score.view(), first, num_comp - first,
+                                                   self.rotary)
+                    lc.compressed.write(first, entries)
+                lc.compressed.truncate(num_comp)
+            if self.indexer is not None:
+                lc.idx_kv.write(start, idx_kv[s:e])
+                lc.idx_score.write(start, idx_score[s:e])
+                first = start // self.ratio
+                if num_comp > first:
+                    keys = self.indexer.compressor.emit(lc.idx_kv.view(), lc.idx_score.view(), first,
+                                                        num_comp - first, self.rotary)
+                    lc.idx_keys.write(first, keys)
+                lc.idx_keys.truncate(num_comp)
+                visible = (positions[s:e] + 1) // self.ratio
+                topk = ops.indexer_topk(iq[s:e], iw[s:e], lc.idx_keys.view(), visible, self.indexer.topk,
+                                        self.indexer.head_dim ** -0.5)
+            lo = max(0, start - self.window + 1)
+            pool = lc.kv.view(lo, end)
+            if num_comp:
+                pool = torch.cat([pool, lc.compressed.view(0, num_comp)], dim=0)
+            idx = swa_compressed_indices(positions[s:e], lo, end - lo, self.window, self.ratio, topk)
+            index_rows.append(torch.where(idx >= 0, idx + offset, idx))
+            pools.append(pool)
+            offset += pool.shape[0]
+        width = max(t.shape[1] for t in index_rows)
+        indices = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in index_rows], dim=0)
+        o = ops.sparse_attention(q, torch.cat(pools, dim=0), indices, self.attn_sink, self.scale)
+        return self.project_out(o, positions)
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)  # gate
+        self.w2 = nn.Linear(inter, hidden, bias=False)  # down
+        self.w3 = nn.Linear(hidden, inter, bias=False)  # up
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, is_hash: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))  # e_score_correction_bias
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg = cfg
+        self.is_hash = cfg.is_hash_layer(layer_id)
+        self.gate = Gate(cfg, self.is_hash)
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.n_routed_experts))
+        self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.gate.weight.float())
+        hash_ids = self.gate.tid2eid[input_ids] if self.is_hash else None
+        weights, ids = ops.moe_route(logits, self.gate.bias, hash_ids, cfg.num_experts_per_tok, cfg.scoring_func,
+                                     cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        w1 = torch.stack([e.w1.weight for e in self.experts])
+        w2 = torch.stack([e.w2.weight for e in self.experts])
+        w3 = torch.stack([e.w3.weight for e in self.experts])
+        routed = ops.moe_experts(x, w1, w2, w3, weights, ids, cfg.swiglu_limit)
+        se = self.shared_experts
+        from sparkspec.ops.moe import swiglu
+
+        shared = se.w2(swiglu(se.w1(x), se.w3(x), cfg.swiglu_limit))
+        return routed + shared
+
+
+class Block(nn.Module):
+    """One V4 decoder layer: mHC pre -> attn -> mHC post; mHC pre -> MoE -> mHC post."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        n, H = cfg.hc_mult, cfg.hidden_size
+        mix = (2 + n) * n
+        self.attn = Attention(cfg, layer_id)
+        self.ffn = MoE(cfg, layer_id)
+        self.attn_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(H, cfg.rms_norm_eps)
+        for part in ("attn", "ffn"):
+            setattr(self, f"hc_{part}_fn", nn.Parameter(torch.zeros(mix, n * H)))
+            setattr(self, f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
+            setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+
+    def hc_pre(self, x: torch.Tensor, part: str):
+        c = self.cfg
+        return ops.mhc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
+                           getattr(self, f"hc_{part}_base"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, attn_fn) -> torch.Tensor:
+        """x: [T, n, H] streams; `attn_fn(normed [T, H]) -> [T, H]` runs this layer's attention."""
+        h, post, comb = self.hc_pre(x, "attn")
+        x = ops.mhc_post(attn_fn(self.attn_norm(h)), x, post, comb)
+        h, post, comb = self.hc_pre(x, "ffn")
+        return ops.mhc_post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)
+
+
+@dataclass
+class Batch:
+    """A flattened ragged batch: sequence r owns rows spans[r] = (s, e) at positions starts[r] + 0..e-s-1."""
+
+    spans: list[tuple[int, int]]
+    starts: list[int]
+    caches: list[SequenceCache]
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [R, V] fp32 for the requested rows
+    taps: torch.Tensor | None = None  # [T, len(tap_layers), H] mean over hc streams of chosen layer outputs
+    final_streams: torch.Tensor | None = None  # [T, n·H] residual before hc_head (MTP input)
+    hidden: torch.Tensor | None = None  # [T, H] hc_head output (pre-norm)
+    extras: dict = field(default_factory=dict)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        n, H = cfg.hc_mult, cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, H)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.head = nn.Linear(H, cfg.vocab_size, bias=False)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * H))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+
+    # -- drafter interface --
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, H] (pre-norm hc_head output) -> logits [T, V] fp32 with the shared norm and head."""
+        return F.linear(self.norm(h).float(), self.head.weight.float())
+
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        return ops.hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.rms_norm_eps, c.hc_eps)
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache(self)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        batch: Batch,
+        logits_rows: torch.Tensor | None = None,  # [R] rows to compute logits for; None = all
+        tap_layers: tuple[int, ...] = (),  # 0-based layers whose OUTPUT streams (mean over hc) are captured
+        capture_final_streams: bool = False,
+    ) -> ModelOutput:
+        positions = torch.cat([torch.arange(st, st + (e - s), device=input_ids.device)
+                               for (s, e), st in zip(batch.spans, batch.starts)])
+        x = self.embed(input_ids)
+        x = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, n, H]
+        taps = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, input_ids, lambda h, a=layer.attn: a(h, positions, batch))
+            if i in tap_layers:
+                taps.append(x.float().mean(dim=1))
+        for r, (s, e) in enumerate(batch.spans):
+            batch.caches[r].num_tokens = batch.starts[r] + (e - s)
+        hidden = self.collapse(x)
+        rows = hidden if logits_rows is None else hidden[logits_rows]
+        return ModelOutput(
+            logits=self.logits_from_hidden(rows),
+            taps=torch.stack(taps, dim=1) if taps else None,
+            final_streams=x.flatten(1) if capture_final_streams else None,
+            hidden=hidden,
+        )
+
+    def keep_fp32(self) -> "DeepseekV4Model":
+        """Cast mHC, sink, ape and router-bias parameters back to fp32 after a `.to(bf16)`."""
+        for name, p in self.named_parameters():
+            if name.endswith(FP32_PARAM_SUFFIXES) or "norm" in name.split(".")[-2:-1]:
+                p.data = p.data.float()
+        return self

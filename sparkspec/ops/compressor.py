@@ -1,0 +1,47 @@
+"""KV compression (gated pooling) and the lightning indexer.
+
+Legend: N compressed entries being emitted, R rows pooled per entry, d entry width, T queries,
+C visible compressed entries, ih indexer heads, id indexer head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparkspec.ops.registry import native
+
+
+@native("compress_pool")
+def compress_pool(
+    kv: torch.Tensor,  # [N, R, d] fp32 rows feeding each entry
+    score: torch.Tensor,  # [N, R, d] fp32 gate scores (+ ape); -inf for rows that do not exist
+) -> torch.Tensor:
+    """Per-feature softmax over the rows, then the weighted sum -> [N, d] fp32."""
+    w = torch.softmax(score.float(), dim=1)
+    return (w * kv.float()).sum(dim=1)
+
+
+@native("indexer_topk")
+def indexer_topk(
+    q: torch.Tensor,  # [T, ih, id] indexer queries (RoPE applied)
+    weights: torch.Tensor,  # [T, ih] per-head weights (already scaled)
+    keys: torch.Tensor,  # [C, id] compressed indexer keys
+    num_visible: torch.Tensor,  # [T] int: entries j < num_visible[t] may be chosen
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """Lightning indexer: score[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[j])·scale, keep the top `topk` visible
+    entries -> [T, topk] int64 entry ids, -1 padded (ties broken towards the lower id)."""
+    T, C = q.shape[0], keys.shape[0]
+    k = min(topk, C)
+    out = torch.full((T, topk), -1, dtype=torch.long, device=q.device)
+    if k == 0:
+        return out
+    s = torch.relu(torch.einsum("thd,cd->thc", q.float(), keys.float())) * scale
+    s = (s * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, C]
+    visible = torch.arange(C, device=q.device).unsqueeze(0) < num_visible.unsqueeze(1)
+    s = s.masked_fill(~visible, float("-inf"))
+    top = torch.topk(s, k, dim=-1, sorted=True)
+    ids = torch.where(torch.isfinite(top.values), top.indices, torch.full_like(top.indices, -1))
+    out[:, :k] = ids
+    return out

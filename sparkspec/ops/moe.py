@@ -1,0 +1,64 @@
+"""MoE routing and expert compute. Legend: T tokens, H hidden, E experts, A active experts, I expert width."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sparkspec.ops.registry import native
+
+
+def score_fn(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+@native("moe_route")
+def moe_route(
+    logits: torch.Tensor,  # [T, E] fp32 router logits
+    bias: torch.Tensor | None,  # [E] e_score_correction_bias: used for SELECTION only
+    hash_ids: torch.Tensor | None,  # [T, A] experts fixed by tid2eid (hash layers)
+    top_k: int,
+    scoring_func: str,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weights [T, A] fp32, expert ids [T, A] int64)."""
+    scores = score_fn(logits.float(), scoring_func)
+    if hash_ids is not None:
+        ids = hash_ids.long()
+    else:
+        sel = scores if bias is None else scores + bias.float()
+        ids = torch.topk(sel, top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, ids)
+    if norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * routed_scaling_factor, ids
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SwiGLU with the V4 clamp: gate clamped above at `limit`, up clamped to ±`limit`."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+@native("moe_experts")
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    w1: torch.Tensor,  # [E, I, H] gate
+    w2: torch.Tensor,  # [E, H, I] down
+    w3: torch.Tensor,  # [E, I, H] up
+    weights: torch.Tensor,  # [T, A]
+    ids: torch.Tensor,  # [T, A]
+    limit: float,
+) -> torch.Tensor:
+    """Σ_a weights[t, a] · expert_{ids[t, a]}(x[t]) -> [T, H]."""
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    for e in torch.unique(flat_ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        h = swiglu(x[tok] @ w1[e].t(), x[tok] @ w3[e].t(), limit)
+        out.index_add_(0, tok, (h @ w2[e].t()) * weights[tok, slot].unsqueeze(-1).to(x.dtype))
+    return out

@@ -1,0 +1,47 @@
+"""Which device family we run on (cuda | rocm | xpu | cpu) — detected once, used by the op table."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Platform = Literal["cuda", "rocm", "xpu", "cpu"]
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    name: Platform
+    device: torch.device
+    has_triton: bool
+    supports_bf16: bool
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.name != "cpu"
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@functools.cache
+def current_platform() -> PlatformInfo:
+    if torch.cuda.is_available():
+        name: Platform = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        return PlatformInfo(name, torch.device("cuda"), _has_triton(), True)
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return PlatformInfo("xpu", torch.device("xpu"), _has_triton(), True)
+    return PlatformInfo("cpu", torch.device("cpu"), _has_triton(), True)
+
+
+def default_dtype(platform: PlatformInfo | None = None) -> torch.dtype:
+    """bf16 on accelerators, fp32 on CPU (exactness of tests and speed of CPU matmuls)."""
+    platform = platform or current_platform()
+    return torch.bfloat16 if platform.is_accelerator else torch.float32
