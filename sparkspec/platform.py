@@ -24,11 +24,11 @@ class PlatformInfo:
 
 
 def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    # find_spec, not import: importing triton here would fix its interpreter mode (TRITON_INTERPRET) for the
+    # whole process before the kernel tests can set it.
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache

@@ -48,6 +48,7 @@ class Rotary(nn.Module):
         super().__init__()
         self.dim = dim
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.inv_freq_fp32 = inv_freq.float().clone()  # master copy: `.to(bf16)` would round the buffer
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, R/2]
@@ -366,4 +367,7 @@ class DeepseekV4Model(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(FP32_PARAM_SUFFIXES) or "norm" in name.split(".")[-2:-1]:
                 p.data = p.data.float()
+        for m in self.modules():
+            if isinstance(m, Rotary):
+                m.inv_freq = m.inv_freq_fp32.to(m.inv_freq.device)
         return self

@@ -41,7 +41,10 @@ def indexer_topk(
     s = (s * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, C]
     visible = torch.arange(C, device=q.device).unsqueeze(0) < num_visible.unsqueeze(1)
     s = s.masked_fill(~visible, float("-inf"))
-    top = torch.topk(s, k, dim=-1, sorted=True)
-    ids = torch.where(torch.isfinite(top.values), top.indices, torch.full_like(top.indices, -1))
+    # a stable sort (not torch.topk, whose tie order is unspecified) keeps equal scores in id order;
+    # ties are common: an entry whose ReLU scores are all 0 scores exactly 0
+    values, order = torch.sort(s, dim=-1, descending=True, stable=True)
+    values, order = values[:, :k], order[:, :k]
+    ids = torch.where(torch.isfinite(values), order, torch.full_like(order, -1))
     out[:, :k] = ids
     return out

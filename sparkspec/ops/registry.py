@@ -69,7 +69,7 @@ def _load_all() -> None:
     if _loaded:
         return
     _loaded = True
-    from sparkspec.ops import attention, compressor, mhc, moe, sampling  # noqa: F401
+    from sparkspec.ops import attention, compressor, indices, mhc, moe, sampling  # noqa: F401
 
     if current_platform().has_triton and current_platform().is_accelerator:
         try:

@@ -1,0 +1,70 @@
+"""Speculative decoding: drafters (DSpark, MTP, n-gram), lossless verification, metrics.
+
+    proposer = build_proposer("dspark", model, drafter_tensors, num_spec_tokens=None)
+    seqs = SpeculativeGenerator(model, tokenizer, proposer).generate(prompts, params)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from sparkspec.models.deepseek_v4 import DeepseekV4Model
+from sparkspec.spec.decode import SpeculativeGenerator
+from sparkspec.spec.metrics import SpecMetrics
+from sparkspec.spec.proposer import CommittedRows, Draft, Proposer
+from sparkspec.spec.rejection import RejectionSampler, Verdict
+
+METHODS = ("dspark", "mtp", "ngram")
+DEFAULT_NGRAM_TOKENS = 4
+
+__all__ = ["METHODS", "CommittedRows", "Draft", "Proposer", "RejectionSampler", "SpecMetrics",
+           "SpeculativeGenerator", "Verdict", "build_proposer", "default_num_spec_tokens"]
+
+
+def default_num_spec_tokens(method: str, model: DeepseekV4Model) -> int:
+    """The checkpoint's `dspark_block_size` for DSpark, 1 for MTP, 4 for n-gram."""
+    if method == "dspark":
+        if model.cfg.dspark_block_size is None:
+            raise ValueError("config field 'dspark_block_size' is missing: the checkpoint has no DSpark drafter")
+        return model.cfg.dspark_block_size
+    return {"mtp": 1, "ngram": DEFAULT_NGRAM_TOKENS}[method]
+
+
+def _place(drafter: torch.nn.Module, model: DeepseekV4Model) -> torch.nn.Module:
+    p = next(model.parameters())
+    return drafter.to(device=p.device, dtype=p.dtype).keep_fp32().eval()
+
+
+def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[str, torch.Tensor] | None = None,
+                   num_spec_tokens: int | None = None) -> Proposer:
+    """A drafter for `model`. `drafter_tensors`: the checkpoint's `mtp.*` tensors (others are ignored).
+
+    Errors (ValueError, one line): unknown method, num_spec_tokens < 1, no DSpark / MTP weights or config.
+    Warning: DSpark with num_spec_tokens > dspark_block_size (those positions were never trained)."""
+    if method not in METHODS:
+        raise ValueError(f"speculative method {method!r}: expected one of {', '.join(METHODS)}")
+    k = default_num_spec_tokens(method, model) if num_spec_tokens is None else num_spec_tokens
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"num_spec_tokens = {k!r}: expected an integer >= 1")
+    tensors = drafter_tensors or {}
+    if method == "ngram":
+        from sparkspec.spec.ngram import NgramProposer
+
+        return NgramProposer(k)
+    if method == "dspark":
+        from sparkspec.models.dspark import DSparkDraftModel
+        from sparkspec.spec.dspark import DSparkProposer
+
+        block = default_num_spec_tokens("dspark", model)
+        drafter = _place(DSparkDraftModel.from_tensors(model.cfg, tensors), model)
+        if k > block:
+            warnings.warn(f"num_spec_tokens = {k} > dspark_block_size = {block}: draft positions {block + 1}..{k} "
+                          "were never trained and will rarely be accepted", stacklevel=2)
+        return DSparkProposer(model, drafter, k)
+    from sparkspec.models.mtp import MTPDraftModel
+    from sparkspec.spec.mtp import MTPProposer
+
+    drafter = _place(MTPDraftModel.from_tensors(model.cfg, tensors), model)
+    return MTPProposer(model, drafter, k)

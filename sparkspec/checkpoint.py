@@ -1,0 +1,287 @@
+"""Checkpoint directories in the HF / official DeepSeek layout: load, write, and create random ones.
+
+A directory holds `config.json` (official form), `model.safetensors` or shards + `model.safetensors.index.json`,
+optionally `tokenizer.json` + `tokenizer_config.json` and `generation_config.json`. Tensors use the official
+names (`embed.weight`, `layers.N.attn.wq_a.weight`, ..., `head.weight`); drafter weights live under `mtp.S.*`.
+Every user-facing problem is a one-line `CheckpointError` (a `ValueError`) naming the file, tensor or field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import save_file
+
+from sparkspec.config import ModelConfig
+from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, DeepseekV4Model
+from sparkspec.models.weights import CheckpointError, load_state, read_tensors
+from sparkspec.platform import current_platform, default_dtype
+from sparkspec.tokenizer import Tokenizer, TokenizerError, stdlib_corpus, train_bpe_tokenizer
+
+__all__ = ["CheckpointError", "LoadedCheckpoint", "load_checkpoint", "init_checkpoint", "write_checkpoint",
+           "resolve_dtype"]
+
+DrafterKind = Literal["dspark", "mtp", "both"]
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """None -> the platform default (bf16 on accelerators, fp32 on CPU); names like 'bf16' or torch dtypes."""
+    if dtype is None:
+        return default_dtype()
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype = {dtype!r}: expected one of {sorted(DTYPES)}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: DeepseekV4Model  # eval mode, on the requested device
+    config: ModelConfig
+    tokenizer: Tokenizer | None  # None when the directory has no tokenizer.json
+    drafter_tensors: dict[str, torch.Tensor]  # every `mtp.*` tensor, official names, on CPU as stored (dequantised)
+    path: Path
+
+
+def read_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing (a checkpoint directory needs config.json)")
+    try:
+        return ModelConfig.from_file(cfg_file)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from None
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
+                    dtype: str | torch.dtype | None = None, progress: bool = False) -> LoadedCheckpoint:
+    """Load a checkpoint directory into a target model (official or transformers tensor names; FP8/FP4 dequantised).
+
+    Parameters that the model keeps in fp32 (mHC, sinks, ape, router bias) stay fp32 whatever `dtype` is."""
+    path = Path(path)
+    dtype = resolve_dtype(dtype)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    cfg = read_config(path)
+    device = torch.device(device) if device is not None else current_platform().device
+    tensors = read_tensors(path, progress=progress)
+    drafter_tensors = {k: tensors.pop(k) for k in sorted(tensors) if k.startswith("mtp.")}
+    if cfg.tie_word_embeddings and "head.weight" not in tensors and "embed.weight" in tensors:
+        tensors["head.weight"] = tensors["embed.weight"]
+    _check_tid2eid(cfg, tensors, path)
+    with torch.device(device):
+        model = DeepseekV4Model(cfg)
+    for p in model.parameters():  # parameters only: buffers (RoPE frequencies) stay fp32
+        p.data = p.data.to(dtype)
+    model.keep_fp32()  # before copying, so fp32 checkpoint values keep their precision
+    load_state(model, tensors, source=str(path))
+    model.eval()
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        try:
+            tokenizer = Tokenizer.from_dir(path)
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
+                                  f"vocab_size={cfg.vocab_size}")
+    return LoadedCheckpoint(model, cfg, tokenizer, drafter_tensors, path)
+
+
+def _check_tid2eid(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    for name, t in tensors.items():
+        if name.endswith("tid2eid") and t.numel() and not (0 <= int(t.min()) and int(t.max()) < cfg.n_routed_experts):
+            raise CheckpointError(f"{path}: tensor '{name}' holds expert ids in [{int(t.min())}, {int(t.max())}], "
+                                  f"expected [0, {cfg.n_routed_experts})")
+
+
+# ---------------------------------------------------------------- writing
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Official tensor name -> (shape, dtype) of the target model, computed without allocating weights."""
+    with torch.device("meta"):
+        model = DeepseekV4Model(cfg)
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def _check_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    expected = expected_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"state dict: missing tensor '{missing[0]}' ({len(missing)} missing)")
+    extra = sorted(k for k in set(tensors) - set(expected) if not k.startswith("mtp."))
+    if extra:
+        raise CheckpointError(f"state dict: unexpected tensor '{extra[0]}' ({len(extra)} unexpected)")
+    for k, (shape, _) in expected.items():
+        if tuple(tensors[k].shape) != shape:
+            raise CheckpointError(f"state dict: tensor '{k}' has shape {tuple(tensors[k].shape)}, expected {shape}")
+
+
+def _storage_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Detached, contiguous CPU copy; floats cast to `dtype` except the parameters kept in fp32."""
+    t = t.detach().to("cpu")
+    if dtype is not None and t.is_floating_point() and not name.endswith(FP32_PARAM_SUFFIXES):
+        t = t.to(dtype)
+    return t.contiguous().clone()  # clone: safetensors refuses tensors that share storage
+
+
+def _shards(names: list[str], tensors: dict[str, torch.Tensor], shard_size_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for k in names:
+        n = tensors[k].numel() * tensors[k].element_size()
+        if shards[-1] and size + n > shard_size_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += n
+    return shards
+
+
+def write_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig,
+                     out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                     extra_tensors: dict[str, torch.Tensor] | None = None, shard_size_bytes: int | None = None,
+                     dtype: str | torch.dtype | None = None) -> Path:
+    """Write a checkpoint directory in the official layout.
+
+    `model_or_state_dict`: a `DeepseekV4Model` or a state dict under official names (may already contain `mtp.*`);
+    `extra_tensors`: more tensors to store, normally drafter weights `mtp.S.*`; `tokenizer_dir`: copy its tokenizer
+    files; `shard_size_bytes`: split into `model-0000i-of-0000n.safetensors` + index; `dtype`: storage dtype of
+    floating tensors (fp32-kept parameters stay fp32), None = as given. Returns `out_dir`."""
+    state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) \
+        else dict(model_or_state_dict)
+    for k, t in (extra_tensors or {}).items():
+        if k in state:
+            raise CheckpointError(f"extra tensor '{k}' is already in the state dict")
+        state[k] = t
+    _check_state(cfg, state)
+    store_dtype = resolve_dtype(dtype) if dtype is not None else None
+    tensors = {k: _storage_tensor(k, state[k], store_dtype) for k in sorted(state)}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in [*out_dir.glob("model*.safetensors"), out_dir / INDEX_FILE]:  # stale shards would be read back
+        old.unlink(missing_ok=True)
+    meta = {"format": "pt"}
+    if shard_size_bytes is None:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata=meta)
+    else:
+        if shard_size_bytes < 1:
+            raise ValueError(f"shard_size_bytes = {shard_size_bytes}: expected a positive integer")
+        groups = _shards(list(tensors), tensors, shard_size_bytes)
+        weight_map = {}
+        for i, names in enumerate(groups):
+            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            save_file({k: tensors[k] for k in names}, str(out_dir / fname), metadata=meta)
+            weight_map.update({k: fname for k in names})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    if store_dtype is not None:
+        cfg = replace(cfg, torch_dtype=dtype_name(store_dtype))
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": False}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != out_dir.resolve():
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file():
+                (out_dir / name).write_bytes(src.read_bytes())
+    return out_dir
+
+
+# ---------------------------------------------------------------- random checkpoints
+
+
+def random_target_tensors(cfg: ModelConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random fp32 weights under official names, scaled so that a random model still emits varied tokens:
+    linears N(0, 1/fan_in), embeddings N(0, 1), head N(0, 4/H) (logits of std ~2), norms and hc scales 1,
+    small nonzero sinks / ape / router bias / hc biases, and distinct random experts per token for hash layers."""
+
+    def normal(shape, std):
+        return torch.randn(shape, generator=generator) * std
+
+    out = {}
+    for name, (shape, dtype) in expected_shapes(cfg).items():
+        if name.endswith("tid2eid"):  # [V, A] distinct experts per token
+            v, a = shape
+            out[name] = torch.rand(v, cfg.n_routed_experts, generator=generator).argsort(-1)[:, :a].to(dtype)
+        elif name.endswith(("norm.weight", "_scale")):
+            out[name] = torch.ones(shape)
+        elif name.endswith(("attn_sink", ".ape")):
+            out[name] = normal(shape, 0.3)
+        elif name.endswith(("gate.bias", "_base")):
+            out[name] = normal(shape, 0.1)
+        elif name == "embed.weight":
+            out[name] = normal(shape, 1.0)
+        elif name == "head.weight":
+            out[name] = normal(shape, 2.0 / math.sqrt(shape[1]))
+        elif name.endswith(("_fn", ".weight")) and len(shape) == 2:
+            out[name] = normal(shape, 1.0 / math.sqrt(shape[1]))
+        else:
+            raise AssertionError(f"no init rule for tensor '{name}' {shape}")
+    return out
+
+
+def random_drafter_tensors(cfg: ModelConfig, drafter: DrafterKind | None,
+                           generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """`mtp.*` tensors for the requested drafter(s), made by the drafter modules themselves."""
+    if drafter is None:
+        return {}
+    if drafter not in ("dspark", "mtp", "both"):
+        raise ValueError(f"drafter = {drafter!r}: expected None, 'dspark', 'mtp' or 'both'")
+    out: dict[str, torch.Tensor] = {}
+    if drafter in ("dspark", "both"):
+        if not cfg.has_dspark:
+            raise ValueError("drafter 'dspark' needs config fields 'dspark_block_size' and 'dspark_target_layer_ids'")
+        from sparkspec.models.dspark import init_dspark_tensors
+
+        out.update(init_dspark_tensors(cfg, generator))
+    if drafter in ("mtp", "both"):
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError("drafter 'mtp' needs config field 'num_nextn_predict_layers' >= 1")
+        from sparkspec.models.mtp import init_mtp_tensors
+
+        mtp = init_mtp_tensors(cfg, generator)
+        clash = sorted(set(mtp) & set(out))
+        if clash:
+            raise ValueError(f"drafter 'both': DSpark and MTP tensors share the name '{clash[0]}'")
+        out.update(mtp)
+    return out
+
+
+def init_checkpoint(preset_or_config: str | ModelConfig | dict, out_dir: str | Path, seed: int = 0,
+                    drafter: DrafterKind | None = None, shard_size_bytes: int | None = None,
+                    dtype: str = "float32") -> Path:
+    """Write a random checkpoint (official layout, BPE tokenizer trained offline) for a preset name, a
+    `ModelConfig` or a config dict. The same arguments give byte-identical tensors."""
+    if isinstance(preset_or_config, ModelConfig):
+        cfg = preset_or_config
+    elif isinstance(preset_or_config, dict):
+        cfg = ModelConfig.from_dict(preset_or_config)
+    else:
+        cfg = ModelConfig.preset(preset_or_config)
+    store_dtype = resolve_dtype(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    state = random_target_tensors(cfg, gen)
+    extra = random_drafter_tensors(cfg, drafter, gen)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.vocab_size >= 256 + 6:  # byte-level BPE needs 256 byte tokens + the special tokens
+        train_bpe_tokenizer(stdlib_corpus(), cfg.vocab_size, out_dir)
+    return write_checkpoint(state, cfg, out_dir, extra_tensors=extra, shard_size_bytes=shard_size_bytes,
+                            dtype=store_dtype)

@@ -1,0 +1,44 @@
+"""EngineConfig: everything the engine needs besides the checkpoint, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SpecMethod = Literal["none", "dspark", "mtp", "ngram"]
+SPEC_METHODS = ("none", "dspark", "mtp", "ngram")
+
+
+@dataclass
+class EngineConfig:
+    # batching
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 1024  # target tokens per step (prefill chunks + decode + verify rows)
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_waiting: int = 256  # queued requests beyond which new ones are refused (HTTP 429)
+    enable_chunked_prefill: bool = True
+    # KV cache budget (see engine/kv_cache.py for what a block is)
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: memory_fraction, else max_num_seqs x max_model_len
+    memory_fraction: float | None = None
+    # speculation
+    speculative: SpecMethod = "none"
+    num_spec_tokens: int | None = None  # None: the drafter's natural length (DSpark block size, MTP layers, 4)
+    spec_budget: Literal["adaptive", "fixed"] = "adaptive"
+    cost_cache_dir: str | None = None  # where the measured step-cost table is cached (default ~/.cache/sparkspec)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} = {v!r}: expected a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len = {self.max_model_len!r}: expected an integer >= 2")
+        if self.speculative not in SPEC_METHODS:
+            raise ValueError(f"speculative = {self.speculative!r}: expected one of {SPEC_METHODS}")
+        if self.num_spec_tokens is not None and (not isinstance(self.num_spec_tokens, int) or self.num_spec_tokens < 1):
+            raise ValueError(f"num_spec_tokens = {self.num_spec_tokens!r}: expected an integer >= 1")
+        if self.spec_budget not in ("adaptive", "fixed"):
+            raise ValueError(f"spec_budget = {self.spec_budget!r}: expected 'adaptive' or 'fixed'")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction = {self.memory_fraction!r}: expected a number in (0, 1]")

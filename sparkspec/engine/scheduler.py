@@ -1,0 +1,194 @@
+"""Continuous batching (pure Python): which sequences run this step, and how many tokens each.
+
+One step's batch is flat and ragged. Running sequences are served first, oldest first: a sequence with more
+than its pending token left (a prompt, or a recompute after preemption) gets a prefill chunk of up to the
+remaining token budget; a decoding sequence gets its pending token plus `lookahead` slots for draft tokens
+(the verify rows; the verification budget may use fewer). Then waiting sequences are admitted in arrival
+order while the sequence limit, the token budget and the free blocks allow (a whole prompt must fit before
+its first chunk is admitted, so admission does not immediately cause preemption).
+
+When a running sequence cannot get the blocks it needs, the youngest running sequence is preempted: its
+blocks and caches are dropped and it goes back to the front of the queue; it is recomputed later (prompt and
+the tokens it has produced so far; nothing it produced is lost). A request that could not fit even alone is
+refused by `add` with a message, so preemption always makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from sparkspec.engine.block_manager import BlockManager
+from sparkspec.engine.sequence import Sequence, SequenceStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting`; the caller should retry later (HTTP 429)."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running sequences per step
+    max_num_batched_tokens: int = 2048  # target tokens per step (prefill chunks + decode + verify rows)
+    max_model_len: int = 2048  # prompt + output positions per sequence
+    num_lookahead_tokens: int = 0  # draft slots reserved behind each decode token (k_max)
+    max_waiting: int = 1024  # queue length beyond which `add` raises QueueFullError
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} = {v!r}: expected a positive integer")
+        if not isinstance(self.num_lookahead_tokens, int) or self.num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens = {self.num_lookahead_tokens!r}: expected an integer >= 0")
+        if self.max_num_batched_tokens < 1 + self.num_lookahead_tokens:
+            raise ValueError(f"max_num_batched_tokens = {self.max_num_batched_tokens}: expected >= 1 + "
+                             f"num_lookahead_tokens ({1 + self.num_lookahead_tokens})")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens of seq.all_ids computed this step, from seq.num_cached_tokens
+    num_lookahead: int = 0  # draft slots reserved behind the pending token (decode rows only)
+
+    @property
+    def samples(self) -> bool:
+        """Does this chunk reach the end of all_ids (so its last row yields a new token)?"""
+        return self.seq.num_cached_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens + s.num_lookahead for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first, youngest last
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError if a request of this size can never run (checked before it is queued)."""
+        c = self.config
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty")
+        if total > c.max_model_len:
+            raise ValueError(f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens} = {total} exceeds the "
+                             f"maximum context length {c.max_model_len}")
+        need = self.block_manager.blocks_for(total)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens} need {need} KV blocks; "
+                             f"the cache has {self.block_manager.num_blocks} in all (raise --kv-cache-memory)")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(len(seq.prompt_ids), seq.params.max_tokens)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting={self.config.max_waiting})")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """Stop a request wherever it is and free its blocks (idempotent)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.cache = seq.drafter_state = None
+        if not seq.is_finished:
+            seq.finish(reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----
+    def lookahead_for(self, seq: Sequence, budget: int) -> int:
+        """Draft slots for a decode row: k_max, but no more than the tokens the request may still produce."""
+        # verifying the pending token + l drafts yields up to l + 1 new tokens
+        room = min(seq.params.max_tokens - len(seq.output_ids), self.config.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.config.num_lookahead_tokens, room, budget))
+
+    def schedule(self) -> SchedulerOutput:
+        c, bm = self.config, self.block_manager
+        out = SchedulerOutput()
+        budget = c.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            is_decode = n == seq.num_uncomputed_tokens == 1 and seq.output_ids  # pending token = last output
+            lookahead = self.lookahead_for(seq, budget - n) if is_decode else 0
+            while not bm.can_allocate(seq, seq.num_cached_tokens + n + lookahead):
+                victim = self.running.pop()  # the youngest; never one already scheduled (those are running[:i])
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, seq.num_cached_tokens + n + lookahead)
+                out.scheduled.append(ScheduledSeq(seq, n, lookahead))
+                budget -= n + lookahead
+                i += 1
+                continue
+            break
+        while self.waiting and not out.preempted and len(self.running) < c.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n < seq.num_uncomputed_tokens and not c.enable_chunked_prefill:
+                break
+            if not bm.can_allocate(seq, seq.num_tokens):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, seq.num_cached_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, 0))
+            budget -= n
+        return out
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop a running sequence's caches; it re-enters the queue first and is recomputed later."""
+        self.block_manager.free(seq)
+        seq.num_cached_tokens = 0
+        seq.cache = seq.drafter_state = None
+        seq.spec.draft_ids, seq.spec.draft_probs, seq.spec.confidences = [], None, None
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self) -> list[Sequence]:
+        """After a step: release finished sequences and blocks held for rejected drafts -> finished ones."""
+        finished = [s for s in self.running if s.is_finished]
+        for seq in finished:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+            seq.cache = seq.drafter_state = None
+        for seq in self.running:
+            self.block_manager.trim(seq, seq.num_tokens)
+        return finished
+
+    # ---- stats ----
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)

@@ -1,0 +1,97 @@
+"""A request's state inside the engine (pure Python; the runner attaches torch objects to `cache`/`generator`).
+
+Token bookkeeping, one invariant: the model cache of a running sequence holds `all_ids[:num_cached_tokens]`.
+A chunk scheduled for the sequence is `all_ids[num_cached_tokens : num_cached_tokens + n]`; when a chunk reaches
+the end of `all_ids` its last row is sampled, so prefill, decode and recompute after preemption are the same
+operation (a decode step is a chunk of one token: the pending last output). Draft tokens are never in `all_ids`:
+they ride behind the decode token as `lookahead` rows and only accepted ones are appended.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecState:
+    """Per-request speculative state: the drafts proposed for the next verify step, and acceptance counters."""
+
+    draft_ids: list[int] = field(default_factory=list)  # [k] proposed tokens following the pending token
+    draft_probs: Any = None  # [k, V] drafter distribution q (None for greedy / deterministic drafters)
+    confidences: list[float] | None = None  # [k] P(draft j accepted | drafts < j accepted), if the drafter has a head
+    num_steps: int = 0  # verify steps with at least one draft
+    num_drafted: int = 0  # draft tokens verified
+    num_accepted: int = 0  # draft tokens accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [k_max] accepted count at draft position j
+
+    def record(self, num_verified: int, num_accepted: int) -> None:
+        if num_verified == 0:
+            return
+        self.num_steps += 1
+        self.num_drafted += num_verified
+        self.num_accepted += num_accepted
+        if len(self.accepted_per_position) < num_verified:
+            self.accepted_per_position += [0] * (num_verified - len(self.accepted_per_position))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: Any  # SamplingParams
+    request_id: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_cached_tokens: int = 0  # positions of all_ids held by the model cache
+    block_ids: list[int] = field(default_factory=list)  # blocks charged to this sequence (see block_manager)
+    finish_reason: str | None = None  # stop | length | abort | error
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    text: str = ""  # detokenized output (stop strings cut), maintained by the engine
+    spec: SpecState = field(default_factory=SpecState)
+    cache: Any = None  # the model's per-sequence cache (runner-owned; None when not resident)
+    generator: Any = None  # torch.Generator for seeded sampling (runner-owned)
+    drafter_state: Any = None  # proposer-owned per-request state (dropped on preemption)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_cached_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than the pending token is left to compute (a fresh prompt, or a recompute after preemption)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()

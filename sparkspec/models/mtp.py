@@ -1,0 +1,191 @@
+"""The classic DeepSeek-V4 multi-token-prediction (MTP) drafter (DeepSeek-V3 report §2.2; V4 form as in
+../shared/reference/vllm_dspark.md §4).
+
+Legend: T rows, R pool rows, n hc streams, H hidden, D latent width, V vocabulary.
+
+An MTP row at position i reads the token t_{i+1} that follows it and a "previous" residual stream, and
+predicts t_{i+2}:
+
+    x = h_proj(hnorm(prev_streams)) + e_proj(enorm(embed(t_{i+1})))[:, None]     # [T, n, H], streams kept
+    x = V4 block (layer num_hidden_layers + stage: sliding window only, routed MoE) over the MTP's own KV
+    logits = head(norm(hc_head(x)))    # own hc_head; the target's shared head; own `norm` if the checkpoint
+                                       # has `mtp.S.norm.weight`, else the target's norm
+
+* Layer 0's `prev_streams` at row i are the TARGET's final streams (before hc_head) at position i.
+* Layer j >= 1 at row i reads layer j-1's output streams at row i-1 — DeepSeek-V3's depth-(j+1) module
+  with rows numbered by the position of the token before their input token, so that every layer's row at i
+  predicts t_{i+2}. Row 0 of a layer j >= 1 has no predecessor and reads zero streams.
+* The embedding is zeroed at position 0 (as vLLM's V4 MTP does).
+* Drafting k tokens: d_0 comes from layer 0's row at the last committed position N-1; draft step j >= 1 runs
+  layer min(j, num_layers - 1) at position N-1+j on its own previous output streams and d_{j-1} (one MTP layer
+  is reused for every step when the checkpoint has fewer layers than k).
+
+Checkpoint layout: `mtp.S.{enorm,hnorm,e_proj,h_proj}.weight`, `mtp.S.hc_head_{fn,base,scale}`, optional
+`mtp.S.norm.weight`, and the V4 block (`attn.*`, `ffn.*`, `attn_norm`, `ffn_norm`, `hc_attn_*`, `hc_ffn_*`).
+`mtp.S.emb.*` / `mtp.S.head.*` copies, if present, are ignored (embedding and head are the target's).
+**When a checkpoint carries both drafters**, the DSpark stages are `mtp.0..n_dspark-1` (they own
+`main_proj`) and the MTP layers follow at `mtp.n_dspark..` (they own `e_proj`); each drafter is detected by
+its own tensors (`find_mtp_stages`, `init_drafter_tensors`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkspec.config import ModelConfig
+from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Block, RMSNorm
+from sparkspec.models.random_init import random_tensors
+from sparkspec.models.weights import CheckpointError
+from sparkspec.ops import ops
+from sparkspec.ops.indices import swa_index_width
+
+
+def find_mtp_stages(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """Stage numbers S that hold a classic MTP layer (`mtp.S.e_proj.weight`), ascending."""
+    stages = sorted(int(m.group(1)) for n in tensors if (m := re.match(r"^mtp\.(\d+)\.e_proj\.weight$", n)))
+    if stages and stages != list(range(stages[0], stages[0] + len(stages))):
+        raise CheckpointError(f"MTP drafter: layers must be consecutive stages, found mtp.{stages} with e_proj")
+    return stages
+
+
+def causal_window_indices(query_pos: torch.Tensor, pool_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """query_pos [T], pool_pos [R] -> [T, swa_index_width(window)] pool rows with pos in (q - window, q], -1 pad."""
+    ok = (pool_pos.unsqueeze(0) <= query_pos.unsqueeze(1)) & (pool_pos.unsqueeze(0) > query_pos.unsqueeze(1) - window)
+    rows = torch.where(ok, torch.arange(pool_pos.numel(), device=pool_pos.device), -1)  # [T, R]
+    width = swa_index_width(window)
+    rows = rows.sort(dim=1, descending=True).values[:, :width]  # valid rows first (at most `window` of them)
+    return F.pad(rows, (0, width - rows.shape[1]), value=-1)
+
+
+class MTPLayer(Block):
+    def __init__(self, cfg: ModelConfig, stage: int, has_norm: bool = True):
+        super().__init__(cfg, cfg.num_hidden_layers + stage)
+        H, n = cfg.hidden_size, cfg.hc_mult
+        self.enorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.e_proj = nn.Linear(H, H, bias=False)
+        self.h_proj = nn.Linear(H, H, bias=False)
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * H))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps) if has_norm else None
+
+
+class MTPDraftModel(nn.Module):
+    """Classic MTP layers stored at `mtp.{first_stage + j}`; embedding/head (and norm, if absent) are the target's."""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int | None = None, first_stage: int = 0, has_norm: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.num_layers = num_layers or cfg.num_nextn_predict_layers
+        if self.num_layers < 1:
+            raise ValueError(f"config field 'num_nextn_predict_layers' = {cfg.num_nextn_predict_layers!r}: "
+                             "expected >= 1 MTP layer")
+        self.first_stage = first_stage
+        self.window = cfg.sliding_window
+        self.mtp = nn.ModuleDict({str(first_stage + j): MTPLayer(cfg, first_stage + j, has_norm)
+                                  for j in range(self.num_layers)})
+
+    def layer(self, step: int) -> MTPLayer:
+        """The layer that runs draft step `step` (the last layer is reused past the checkpoint's depth)."""
+        return self.mtp[str(self.first_stage + min(step, self.num_layers - 1))]
+
+    def forward_rows(
+        self,
+        step: int,
+        embed: nn.Embedding,  # the target's shared embedding
+        prev_streams: torch.Tensor,  # [T, n·H]
+        next_ids: torch.Tensor,  # [T] the token following each row's position
+        positions: torch.Tensor,  # [T]
+        pools: list[tuple[torch.Tensor, torch.Tensor]],  # per sequence: earlier K=V rows [R, D] and their positions [R]
+        spans: list[tuple[int, int]],  # rows of sequence r
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of layer `layer(step)` over a ragged batch -> (output streams [T, n·H], their K=V rows [T, D]).
+
+        Each row attends causally (sliding window) to its sequence's pool rows and its own earlier rows."""
+        cfg, layer = self.cfg, self.layer(step)
+        T, n, H = prev_streams.shape[0], cfg.hc_mult, cfg.hidden_size
+        e = embed(next_ids).to(layer.e_proj.weight.dtype)
+        e = e.masked_fill((positions == 0).unsqueeze(1), 0.0)  # [T, H]
+        x = layer.h_proj(layer.hnorm(prev_streams.view(T, n, H).to(e.dtype))) + layer.e_proj(layer.enorm(e)).unsqueeze(1)
+        new_kv = {}
+
+        def attend(h: torch.Tensor) -> torch.Tensor:
+            a = layer.attn
+            q, _ = a.project_q(h, positions)
+            kv = new_kv["kv"] = a.project_kv(h, positions)  # [T, D]
+            all_kv, index_rows, offset = [], [], 0
+            for (pool_kv, pool_pos), (s, e) in zip(pools, spans):
+                pk = torch.cat([pool_kv.to(kv.dtype), kv[s:e]])
+                pp = torch.cat([pool_pos, positions[s:e]])
+                idx = causal_window_indices(positions[s:e], pp, self.window)
+                index_rows.append(torch.where(idx >= 0, idx + offset, idx))
+                all_kv.append(pk)
+                offset += pk.shape[0]
+            o = ops.sparse_attention(q, torch.cat(all_kv), torch.cat(index_rows), a.attn_sink, a.scale)
+            return a.project_out(o, positions)
+
+        x = layer(x.contiguous(), positions, next_ids, attend)  # [T, n, H]
+        return x.flatten(1), new_kv["kv"]
+
+    def logits(self, step: int, streams: torch.Tensor, target_norm: nn.Module, head: nn.Linear) -> torch.Tensor:
+        """streams [T, n·H] of layer(step) -> logits [T, V] fp32."""
+        cfg, layer = self.cfg, self.layer(step)
+        x = streams.view(streams.shape[0], cfg.hc_mult, cfg.hidden_size)
+        h = ops.hc_head(x, layer.hc_head_fn, layer.hc_head_scale, layer.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
+        norm = layer.norm if layer.norm is not None else target_norm
+        return F.linear(norm(h).float(), head.weight.float())
+
+    # ---- construction ----
+    @classmethod
+    def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> "MTPDraftModel":
+        """Build from checkpoint tensors; the layers are the `mtp.S` stages that own `e_proj` (ValueError if none)."""
+        stages = find_mtp_stages(tensors)
+        if not stages:
+            raise CheckpointError("MTP drafter: missing tensor 'mtp.0.e_proj.weight'; the checkpoint has no MTP "
+                                  "layers (write them with `sparkspec init --drafter mtp`)")
+        has_norm = f"mtp.{stages[0]}.norm.weight" in tensors
+        model = cls(cfg, len(stages), stages[0], has_norm)
+        params = dict(model.named_parameters())
+        missing = sorted(n for n in params if n not in tensors)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"MTP drafter: missing tensor '{missing[0]}'{more}")
+        with torch.no_grad():
+            for name, p in params.items():
+                t = tensors[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise CheckpointError(f"MTP drafter: tensor '{name}' has shape {tuple(t.shape)}, "
+                                          f"expected {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+        return model
+
+    def keep_fp32(self) -> "MTPDraftModel":
+        for name, p in self.named_parameters():
+            if name.endswith(FP32_PARAM_SUFFIXES):
+                p.data = p.data.float()
+        return self
+
+
+def init_mtp_tensors(cfg: ModelConfig, generator: torch.Generator, first_stage: int = 0) -> dict[str, torch.Tensor]:
+    """Random MTP layers `mtp.{first_stage}..` (num_nextn_predict_layers of them, >= 1), fp32, official names."""
+    return random_tensors(MTPDraftModel(cfg, max(cfg.num_nextn_predict_layers, 1), first_stage), generator)
+
+
+def init_drafter_tensors(cfg: ModelConfig, generator: torch.Generator, drafter: str) -> dict[str, torch.Tensor]:
+    """`drafter` = dspark | mtp | both: the `mtp.*` tensors `sparkspec init --drafter` writes (both: DSpark
+    stages first, MTP layers after them)."""
+    from sparkspec.models.dspark import init_dspark_tensors
+
+    if drafter not in ("dspark", "mtp", "both"):
+        raise ValueError(f"drafter = {drafter!r}: expected dspark, mtp or both")
+    out: dict[str, torch.Tensor] = {}
+    if drafter in ("dspark", "both"):
+        out.update(init_dspark_tensors(cfg, generator))
+    if drafter in ("mtp", "both"):
+        out.update(init_mtp_tensors(cfg, generator, cfg.num_dspark_layers if drafter == "both" else 0))
+    return out

@@ -1,0 +1,324 @@
+"""Fused mHC kernels (Triton): mhc_pre (RMS + mixing matmul + sigmoids + Sinkhorn + stream collapse),
+mhc_post (stream update) and hc_head (final collapse).
+
+Legend: T tokens, n hc streams (NP = next power of two), H hidden, M = (2+n)·n mixes (BLOCK_M >= 16).
+mhc_pre / hc_head: one program owns BLOCK_T tokens; pass 1 streams x·fnᵀ through `tl.dot` (exact fp32)
+while summing x² for the weight-free RMS; the n×n Sinkhorn runs in registers; pass 2 collapses the streams.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparkspec.ops.registry import accelerated
+from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter, same_device
+
+
+@triton.jit
+def _rms_mix(
+    x_ptr,  # [T, n*H] (row stride stride_xt, unit inner stride)
+    fn_ptr,  # [M, n*H] fp32
+    t0,
+    num_tokens,
+    num_mix,
+    width,  # n*H
+    rms_eps,
+    stride_xt,
+    stride_fm,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """mix[t, m] = rmsnorm_noweight(x[t]) · fn[m]  -> [BLOCK_T, BLOCK_M] fp32 (0 beyond num_mix)."""
+    toks = t0 + tl.arange(0, BLOCK_T)
+    mixes = tl.arange(0, BLOCK_M)
+    tok_ok = toks < num_tokens
+    acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < width
+        x = tl.load(x_ptr + toks[:, None].to(tl.int64) * stride_xt + ks[None, :],
+                    mask=tok_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_K]
+        w = tl.load(fn_ptr + mixes[:, None] * stride_fm + ks[None, :],
+                    mask=(mixes[:, None] < num_mix) & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        sumsq += tl.sum(x * x, axis=1)
+    return acc * tl.rsqrt(sumsq / width + rms_eps)[:, None]
+
+
+@triton.jit
+def _take(mix, start, count, BLOCK_M: tl.constexpr, NP: tl.constexpr):
+    """Columns start .. start+count-1 of mix [BLOCK_T, BLOCK_M] -> [BLOCK_T, NP] (0 beyond count)."""
+    j = tl.arange(0, NP)
+    c = tl.arange(0, BLOCK_M)
+    sel = (c[None, :] == start + j[:, None]) & (j[:, None] < count)  # [NP, BLOCK_M]
+    return tl.sum(mix[:, None, :] * sel[None, :, :].to(tl.float32), axis=2)
+
+
+@triton.jit
+def _collapse(
+    x_ptr,  # [T, n, H]
+    out_ptr,  # [T, H]
+    pre,  # [BLOCK_T, NP] fp32, 0 for padded streams
+    t0,
+    num_tokens,
+    num_streams,
+    hidden,
+    stride_xt,
+    stride_xn,
+    stride_ot,
+    BLOCK_T: tl.constexpr,
+    NP: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
+):
+    """out[t] = Σ_i pre[t, i] · x[t, i]  (fp32, stored in out's dtype)."""
+    toks = t0 + tl.arange(0, BLOCK_T)
+    streams = tl.arange(0, NP)
+    tok_ok = toks < num_tokens
+    base = x_ptr + toks[:, None, None].to(tl.int64) * stride_xt + streams[None, :, None] * stride_xn
+    for h0 in range(0, hidden, BLOCK_HD):
+        hs = h0 + tl.arange(0, BLOCK_HD)
+        mask = tok_ok[:, None, None] & (streams[None, :, None] < num_streams) & (hs[None, None, :] < hidden)
+        x = tl.load(base + hs[None, None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, NP, BLOCK_HD]
+        y = tl.sum(pre[:, :, None] * x, axis=1)
+        tl.store(out_ptr + toks[:, None].to(tl.int64) * stride_ot + hs[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=tok_ok[:, None] & (hs[None, :] < hidden))
+
+
+@triton.jit
+def _mhc_pre_kernel(
+    x_ptr,  # [T, n, H] contiguous
+    fn_ptr,  # [M, n*H] fp32
+    scale_ptr,  # [3] fp32 (pre, post, comb)
+    base_ptr,  # [M] fp32
+    out_ptr,  # [T, H] x.dtype   layer input
+    post_ptr,  # [T, n] fp32
+    comb_ptr,  # [T, n, n] fp32
+    num_tokens,
+    num_streams,
+    hidden,
+    rms_eps,
+    hc_eps,
+    sinkhorn_iters,
+    stride_fm,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
+    NP: tl.constexpr,
+):
+    n = num_streams
+    t0 = tl.program_id(0) * BLOCK_T
+    toks = t0 + tl.arange(0, BLOCK_T)
+    tok_ok = toks < num_tokens
+    mix = _rms_mix(x_ptr, fn_ptr, t0, num_tokens, (2 + n) * n, n * hidden, rms_eps, n * hidden, stride_fm,
+                   BLOCK_T, BLOCK_M, BLOCK_K)  # [BLOCK_T, BLOCK_M]
+    s_pre = tl.load(scale_ptr + 0)
+    s_post = tl.load(scale_ptr + 1)
+    s_comb = tl.load(scale_ptr + 2)
+    j = tl.arange(0, NP)
+    j_ok = j < n
+
+    pre_b = tl.load(base_ptr + j, mask=j_ok, other=0.0)
+    pre = tl.sigmoid(_take(mix, 0, n, BLOCK_M, NP) * s_pre + pre_b[None, :]) + hc_eps
+    pre = tl.where(j_ok[None, :], pre, 0.0)  # [BLOCK_T, NP]
+    post_b = tl.load(base_ptr + n + j, mask=j_ok, other=0.0)
+    post = 2.0 * tl.sigmoid(_take(mix, n, n, BLOCK_M, NP) * s_post + post_b[None, :])
+    tl.store(post_ptr + toks[:, None].to(tl.int64) * n + j[None, :], post, mask=tok_ok[:, None] & j_ok[None, :])
+
+    # comb[t, a, b] = mix[t, 2n + a·n + b]; flat column k = a·NP + b of an [NP·NP] block
+    k = tl.arange(0, NP * NP)
+    a_k = k // NP
+    b_k = k % NP
+    k_ok = (a_k < n) & (b_k < n)
+    cols = tl.arange(0, BLOCK_M)
+    sel = (cols[None, :] == 2 * n + a_k[:, None] * n + b_k[:, None]) & k_ok[:, None]  # [NP*NP, BLOCK_M]
+    comb_w = tl.sum(mix[:, None, :] * sel[None, :, :].to(tl.float32), axis=2)  # [BLOCK_T, NP*NP]
+    comb_b = tl.load(base_ptr + 2 * n + a_k * n + b_k, mask=k_ok, other=0.0)
+    logits = tl.where(k_ok[None, :], comb_w * s_comb + comb_b[None, :], float("-inf"))
+    logits = tl.reshape(logits, [BLOCK_T, NP, NP])
+    valid = tl.reshape(k_ok, [NP, NP])[None, :, :]
+    row_max = tl.max(logits, axis=2)
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    e = tl.exp(logits - row_max[:, :, None])
+    row_sum = tl.sum(e, axis=2)
+    comb = e / tl.where(row_sum == 0.0, 1.0, row_sum)[:, :, None]
+    comb = tl.where(valid, comb + hc_eps, 0.0)  # softmax over b, + eps
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)  # normalise columns (sum over a)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    a3 = tl.arange(0, NP)[None, :, None]
+    b3 = tl.arange(0, NP)[None, None, :]
+    tl.store(comb_ptr + toks[:, None, None].to(tl.int64) * n * n + a3 * n + b3, comb,
+             mask=tok_ok[:, None, None] & valid)
+
+    _collapse(x_ptr, out_ptr, pre, t0, num_tokens, n, hidden, n * hidden, hidden, hidden,
+              BLOCK_T, NP, BLOCK_HD)
+
+
+@triton.jit
+def _hc_head_kernel(
+    x_ptr,  # [T, n, H] contiguous
+    fn_ptr,  # [n, n*H] fp32
+    scale_ptr,  # [1] fp32
+    base_ptr,  # [n] fp32
+    out_ptr,  # [T, H] x.dtype
+    num_tokens,
+    num_streams,
+    hidden,
+    rms_eps,
+    hc_eps,
+    stride_fm,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
+    NP: tl.constexpr,
+):
+    n = num_streams
+    t0 = tl.program_id(0) * BLOCK_T
+    mix = _rms_mix(x_ptr, fn_ptr, t0, num_tokens, n, n * hidden, rms_eps, n * hidden, stride_fm,
+                   BLOCK_T, BLOCK_M, BLOCK_K)
+    j = tl.arange(0, NP)
+    base = tl.load(base_ptr + j, mask=j < n, other=0.0)
+    pre = tl.sigmoid(_take(mix, 0, n, BLOCK_M, NP) * tl.load(scale_ptr) + base[None, :]) + hc_eps
+    pre = tl.where((j < n)[None, :], pre, 0.0)
+    _collapse(x_ptr, out_ptr, pre, t0, num_tokens, n, hidden, n * hidden, hidden, hidden, BLOCK_T, NP, BLOCK_HD)
+
+
+@triton.jit
+def _mhc_post_kernel(
+    y_ptr,  # [T, H]
+    x_ptr,  # [T, n, H]
+    post_ptr,  # [T, n] fp32
+    comb_ptr,  # [T, n, n] fp32
+    out_ptr,  # [T, n, H] x.dtype
+    num_streams,
+    hidden,
+    stride_yt,
+    stride_xt,
+    stride_xn,
+    stride_pt,
+    stride_ct,
+    stride_ca,
+    NP: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BLOCK_HD + tl.arange(0, BLOCK_HD)
+    i = tl.arange(0, NP)
+    n = num_streams
+    h_ok = hs < hidden
+    i_ok = i < n
+    x = tl.load(x_ptr + t * stride_xt + i[:, None] * stride_xn + hs[None, :],
+                mask=i_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # [NP(i), BLOCK_HD]
+    y = tl.load(y_ptr + t * stride_yt + hs, mask=h_ok, other=0.0).to(tl.float32)  # [BLOCK_HD]
+    post = tl.load(post_ptr + t * stride_pt + i, mask=i_ok, other=0.0).to(tl.float32)  # [NP(j)]
+    comb = tl.load(comb_ptr + t * stride_ct + i[:, None] * stride_ca + i[None, :],
+                   mask=i_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)  # [NP(i), NP(j)]
+    mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [NP(j), BLOCK_HD]
+    out = post[:, None] * y[None, :] + mixed
+    tl.store(out_ptr + t * n * hidden + i[:, None] * hidden + hs[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=i_ok[:, None] & h_ok[None, :])
+
+
+def _mix_blocks(x: torch.Tensor, num_mix: int) -> dict:
+    interp = on_interpreter(x)
+    return dict(BLOCK_T=16, BLOCK_M=max(next_pow2(num_mix), 16), BLOCK_K=64 if interp else 128,
+                BLOCK_HD=64 if interp else 256, NP=next_pow2(x.shape[1]))
+
+
+def _check_mix(name: str, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, num_mix: int) -> None:
+    check(x.dim() == 3, f"{name}: x must be [T, n, H], got {tuple(x.shape)}")
+    T, n, H = x.shape
+    check(tuple(fn.shape) == (num_mix, n * H), f"{name}: fn must be [{num_mix}, {n * H}], got {tuple(fn.shape)}")
+    check(base.numel() == num_mix, f"{name}: base must have {num_mix} entries, got {base.numel()}")
+    check(same_device(x, fn, base), f"{name}: all tensors must share a device")
+
+
+@accelerated("mhc_pre", "cuda", "rocm", "xpu")
+def mhc_pre(
+    x: torch.Tensor,  # [T, n, H]
+    fn: torch.Tensor,  # [M, n*H]
+    scale: torch.Tensor,  # [3]
+    base: torch.Tensor,  # [M]
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of `ops.mhc.mhc_pre` -> (layer_input [T, H] x.dtype, post [T, n] fp32, comb [T, n, n] fp32)."""
+    n = x.shape[1] if x.dim() == 3 else 0
+    _check_mix("mhc_pre", x, fn, base, (2 + n) * n)
+    check(scale.numel() == 3, f"mhc_pre: scale must have 3 entries (pre, post, comb), got {scale.numel()}")
+    check(sinkhorn_iters >= 1, f"mhc_pre: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    T, n, H = x.shape
+    x = x.contiguous()
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    post = torch.empty((T, n), dtype=torch.float32, device=x.device)
+    comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out, post, comb
+    fn = fn.float().contiguous()
+    blocks = _mix_blocks(x, (2 + n) * n)
+    _mhc_pre_kernel[(triton.cdiv(T, blocks["BLOCK_T"]),)](
+        x, fn, scale.float().contiguous(), base.float().contiguous(), out, post, comb,
+        T, n, H, float(rms_eps), float(hc_eps), int(sinkhorn_iters), fn.stride(0), **blocks, num_warps=4,
+    )
+    return out, post, comb
+
+
+@accelerated("hc_head", "cuda", "rocm", "xpu")
+def hc_head(
+    x: torch.Tensor,  # [T, n, H]
+    fn: torch.Tensor,  # [n, n*H]
+    scale: torch.Tensor,  # [1]
+    base: torch.Tensor,  # [n]
+    rms_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
+    """Triton twin of `ops.mhc.hc_head` -> [T, H] x.dtype."""
+    _check_mix("hc_head", x, fn, base, x.shape[1] if x.dim() == 3 else 0)
+    check(scale.numel() == 1, f"hc_head: scale must have 1 entry, got {scale.numel()}")
+    T, n, H = x.shape
+    x = x.contiguous()
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    fn = fn.float().contiguous()
+    blocks = _mix_blocks(x, n)
+    _hc_head_kernel[(triton.cdiv(T, blocks["BLOCK_T"]),)](
+        x, fn, scale.float().contiguous(), base.float().contiguous(), out,
+        T, n, H, float(rms_eps), float(hc_eps), fn.stride(0), **blocks, num_warps=4,
+    )
+    return out
+
+
+@accelerated("mhc_post", "cuda", "rocm", "xpu")
+def mhc_post(
+    y: torch.Tensor,  # [T, H]
+    x: torch.Tensor,  # [T, n, H]
+    post: torch.Tensor,  # [T, n]
+    comb: torch.Tensor,  # [T, n, n]
+) -> torch.Tensor:
+    """Triton twin of `ops.mhc.mhc_post` (fp32 arithmetic, one rounding) -> [T, n, H] x.dtype."""
+    check(x.dim() == 3, f"mhc_post: x must be [T, n, H], got {tuple(x.shape)}")
+    T, n, H = x.shape
+    check(tuple(y.shape) == (T, H), f"mhc_post: y must be [{T}, {H}], got {tuple(y.shape)}")
+    check(tuple(post.shape) == (T, n), f"mhc_post: post must be [{T}, {n}], got {tuple(post.shape)}")
+    check(tuple(comb.shape) == (T, n, n), f"mhc_post: comb must be [{T}, {n}, {n}], got {tuple(comb.shape)}")
+    check(same_device(y, x, post, comb), "mhc_post: all tensors must share a device")
+    out = torch.empty((T, n, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    y, x, post, comb = (t if t.stride(-1) == 1 else t.contiguous() for t in (y, x, post, comb))
+    block_hd = min(64 if on_interpreter(x) else 512, max(next_pow2(H), 16))
+    _mhc_post_kernel[(T, triton.cdiv(H, block_hd))](
+        y, x, post, comb, out, n, H,
+        y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1),
+        NP=next_pow2(n), BLOCK_HD=block_hd, num_warps=4,
+    )
+    return out

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE with `stream: true`), /v1/models,
+/health, /metrics. Every client error is a 4xx with an OpenAI-style body; the engine never sees a bad request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sparkspec.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from sparkspec.engine.scheduler import QueueFullError
+from sparkspec.serve.metrics import ServerMetrics
+from sparkspec.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+
+RETRY_AFTER_S = 1
+
+
+def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int = 256) -> FastAPI:
+    metrics = ServerMetrics(engine)
+    tokenizer = engine.engine.tokenizer
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+    app = FastAPI(title="sparkspec", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    def error_response(e: RequestError) -> JSONResponse:
+        metrics.http_errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, e: RequestError):
+        return error_response(e)
+
+    async def read_body(request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON ({e})") from None
+
+    def check_model(req) -> None:
+        if req.model != model_name:
+            raise RequestError(f"model '{req.model}' does not exist; this server serves '{model_name}'", "model",
+                               code="model_not_found")
+
+    def encode(prompt: str | list[int], add_bos: bool, param: str) -> list[int]:
+        try:
+            if isinstance(prompt, str):
+                if tokenizer is None:
+                    raise ValueError("this model has no tokenizer: send prompt token ids")
+                return tokenizer.encode(prompt, add_special_tokens=add_bos)
+            return engine.engine.encode_prompt(prompt)
+        except ValueError as e:
+            raise RequestError(str(e), param) from None
+
+    def admit(prompt_ids: list[int], params) -> None:
+        try:
+            engine.check(prompt_ids, params)
+        except QueueFullError as e:
+            raise RequestError(str(e), status=429, type_="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ValueError as e:
+            raise RequestError(str(e), "max_tokens" if "max_tokens" in str(e) else "prompt") from None
+        if not engine.is_running:
+            raise RequestError("the engine is not running", status=503, type_="server_error",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def usage(n_prompt: int, n_out: int) -> dict:
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+    async def run(request: Request, prompt_ids: list[int], params, chunk_fn, final_fn, stream: bool,
+                  include_usage: bool):
+        """Drive one request; `chunk_fn(delta, finish_reason)` builds an SSE chunk, `final_fn(out)` the body."""
+        request_id = uuid.uuid4().hex[:24]
+        outputs = engine.generate(prompt_ids, params, request_id)
+
+        if stream:
+            async def sse():
+                sent = 0
+                last = None
+                try:
+                    async for out in outputs:
+                        last = out
+                        delta = out.text[sent:]
+                        sent = len(out.text)
+                        if delta or out.finished:
+                            yield f"data: {json.dumps(chunk_fn(delta, out.finish_reason if out.finished else None))}\n\n"
+                    if last is not None:
+                        metrics.observe_finished(last)
+                        if include_usage:
+                            c = chunk_fn(None, None)
+                            c["choices"] = []
+                            c["usage"] = usage(len(prompt_ids), len(last.token_ids))
+                            yield f"data: {json.dumps(c)}\n\n"
+                    yield "data: [DONE]\n\n"
+                except (EngineDeadError, ValueError, QueueFullError) as e:
+                    yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+                finally:
+                    await outputs.aclose()  # a disconnected client lands here: the request is aborted
+
+            return StreamingResponse(sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def consume():
+            last = None
+            async for out in outputs:
+                last = out
+            return last
+
+        async def watch_disconnect():
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
+
+        task = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(watch_disconnect())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if task not in done:  # the client went away: cancelling the consumer aborts the request
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            return Response(status_code=499)
+        try:
+            last = task.result()
+        except QueueFullError as e:  # lost a race for the last queue slot
+            raise RequestError(str(e), status=429, type_="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        except EngineDeadError as e:
+            raise RequestError(str(e), status=503, type_="server_error") from None
+        metrics.observe_finished(last)
+        return JSONResponse(final_fn(last))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await read_body(request))
+        check_model(req)
+        prompt = req.single_prompt()
+        prompt_ids = encode(prompt, add_bos=True, param="prompt")
+        params = req.sampling_params(default_max_tokens)
+        admit(prompt_ids, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def chunk(delta, finish_reason):
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}]}
+
+        def final(out):
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
+                    "usage": usage(len(prompt_ids), len(out.token_ids))}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await run(request, prompt_ids, params, chunk, final, req.stream, include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(ChatCompletionRequest, await read_body(request))
+        check_model(req)
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise RequestError("this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = tokenizer.apply_chat_template(req.chat_messages())
+        except ValueError as e:
+            raise RequestError(str(e), "messages") from None
+        prompt_ids = encode(text, add_bos=False, param="messages")
+        params = req.sampling_params(default_max_tokens)
+        admit(prompt_ids, params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        first = [True]
+
+        def chunk(delta, finish_reason):
+            d = {} if delta is None else {"content": delta}
+            if first[0] and delta is not None:
+                d["role"] = "assistant"
+                first[0] = False
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}]}
+
+        def final(out):
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                                 "logprobs": None, "finish_reason": out.finish_reason}],
+                    "usage": usage(len(prompt_ids), len(out.token_ids))}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await run(request, prompt_ids, params, chunk, final, req.stream, include_usage)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "sparkspec", "max_model_len": engine.engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.is_running:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,135 @@
+"""`sparkspec serve --model DIR [--host] [--port] [--spec ...]`: the OpenAI-compatible server (uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by `serve` and `bench offline`."""
+    p.add_argument("--spec", choices=["none", "dspark", "mtp", "ngram"], default=None,
+                   help="speculative method (default: dspark when the checkpoint has DSpark weights, else none)")
+    p.add_argument("--num-spec-tokens", type=int, default=None, help="drafts per request per step (k)")
+    p.add_argument("--spec-budget", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive: DSpark Algorithm 1 verification budget; fixed: verify every draft")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512M or 4G")
+    p.add_argument("--kv-cache-fraction", type=float, default=None, help="fraction of free memory for the KV cache")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+
+
+def engine_config_from_args(args, speculative: str, **extra):
+    from sparkspec.engine.config import EngineConfig
+    from sparkspec.engine.kv_cache import parse_memory
+
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
+        memory_fraction=args.kv_cache_fraction, speculative=speculative, num_spec_tokens=args.num_spec_tokens,
+        spec_budget=args.spec_budget, **extra)
+
+
+def default_spec(ckpt) -> str:
+    has = ckpt.config.has_dspark and any(k.endswith("main_proj.weight") for k in ckpt.drafter_tensors)
+    return "dspark" if has else "none"
+
+
+def build_engine(args, **extra):
+    """Load the checkpoint and build an LLMEngine from the parsed flags -> (engine, checkpoint)."""
+    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.engine.llm_engine import LLMEngine
+
+    model_dir = Path(args.model) if args.model else _default_model()
+    if not model_dir.exists():
+        raise ValueError(f"model directory not found: {model_dir}")
+    ckpt = load_checkpoint(model_dir, device=args.device, dtype=args.dtype)
+    spec = args.spec or default_spec(ckpt)
+    config = engine_config_from_args(args, spec, **extra)
+    return LLMEngine(ckpt.model, ckpt.tokenizer, config, ckpt.drafter_tensors), ckpt
+
+
+def _default_model() -> Path:
+    from sparkspec.cli import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped demo)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="name clients pass as 'model' (default: directory name)")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which the server answers 429")
+    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from sparkspec.engine.async_engine import AsyncLLMEngine
+    from sparkspec.serve.api import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, ckpt = build_engine(args, max_waiting=args.max_waiting)
+    name = args.served_model_name or Path(ckpt.path).name
+    print(f"serving '{name}' from {ckpt.path} on http://{args.host}:{args.port} "
+          f"(spec={engine.config.speculative}, budget={engine.config.spec_budget}); {engine.kv_plan.describe()}",
+          file=sys.stderr)
+    app = create_app(AsyncLLMEngine(engine), name, default_max_tokens=args.default_max_tokens)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    _Server(config).run()
+    print("sparkspec serve: shut down cleanly", file=sys.stderr)
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """SIGINT / SIGTERM: stop accepting, close streams, run the lifespan shutdown (stops the engine thread),
+        then return normally (uvicorn's default re-raises the signal, which would make the exit code -15)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    return Server
+
+
+def _Server(config):
+    return _server_class()(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparkspec")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""OpenAI request schemas, validated strictly: unknown fields, wrong types and out-of-range values are errors
+(HTTP 400 with an OpenAI-style body), and OpenAI fields the engine does not implement are refused unless they
+carry their neutral value (e.g. `n: 1`, `logprobs: null`, `presence_penalty: 0`)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sparkspec.sampling_params import SamplingParams
+
+
+class RequestError(Exception):
+    """A client error: rendered as {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # extension (vLLM): 0 / -1 disable
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension (vLLM)
+    user: str | None = None  # metadata; accepted and unused
+    # OpenAI fields accepted only with their neutral value
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+
+    NEUTRAL: ClassVar[dict] = {"n": 1, "logprobs": (None, False), "presence_penalty": 0.0, "frequency_penalty": 0.0,
+               "logit_bias": (None, {})}
+
+    def check_supported(self) -> None:
+        for name, neutral in self.NEUTRAL.items():
+            value = getattr(self, name)
+            ok = value in neutral if isinstance(neutral, tuple) else value == neutral
+            if not ok:
+                raise RequestError(f"'{name}' = {value!r} is not supported by this server (only {neutral!r})", name,
+                                   code="unsupported_parameter")
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if len(stops) > 4 or any(not s for s in stops):
+                raise RequestError("'stop' must be up to 4 non-empty strings", "stop")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        stops = [] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop))
+        return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stops,
+                              ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int = 1
+    suffix: str | None = None
+    max_tokens: int | None = Field(default=16, ge=1)
+
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "echo": False, "best_of": 1, "suffix": (None, "")}
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise RequestError(f"'prompt' holds {len(p)} prompts; this server takes one per request", "prompt",
+                                   code="unsupported_parameter")
+            p = p[0]
+        if (isinstance(p, str) and not p) or (isinstance(p, list) and not p):
+            raise RequestError("'prompt' is empty", "prompt")
+        return p
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "top_logprobs": (None,), "tools": (None, []), "tool_choice": (None, "none"),
+               "response_format": (None, {"type": "text"})}
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise RequestError("give 'max_tokens' or 'max_completion_tokens', not both", "max_completion_tokens")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+def parse_request(cls: type[_Common], body: Any) -> _Common:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        parts = [str(x) for x in err["loc"]]
+        if len(parts) > 1 and (parts[1] in ("str", "int", "float", "bool") or "[" in parts[1]):
+            parts = parts[:1]  # a union branch name ('prompt.list[int]'): name the field only
+            err["msg"] = f"{err['input']!r} does not have an accepted type"
+        loc = ".".join(parts)
+        param = parts[0] if parts else None
+        if err["type"] == "extra_forbidden":
+            raise RequestError(f"unsupported field '{loc}'", param, code="unsupported_parameter") from None
+        if err["type"] == "missing":
+            raise RequestError(f"missing required field '{loc}'", param) from None
+        raise RequestError(f"invalid value for '{loc}': {err['msg']}", param) from None
+    req.check_supported()
+    return req

@@ -1,0 +1,234 @@
+"""Tokenizer: a `tokenizers.Tokenizer` (tokenizer.json) plus the chat template and special tokens of
+tokenizer_config.json, and an offline byte-level BPE trainer for `sparkspec init`.
+
+The chat template is rendered with jinja2 in a sandbox, with the variables transformers passes
+(`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+BOS, EOS, PAD, NOISE = "<|begin_of_sentence|>", "<|end_of_sentence|>", "<|pad|>", "<|noise|>"
+USER, ASSISTANT = "<|User|>", "<|Assistant|>"
+# ids 0..5 in this order: BOS=0, EOS=1, PAD=2, NOISE=3 (DSpark's noise token), USER=4, ASSISTANT=5
+SPECIAL_TOKENS = [BOS, EOS, PAD, NOISE, USER, ASSISTANT]
+
+# DeepSeek-like: BOS, optional system text, then "<|User|>question<|Assistant|>answer<|end_of_sentence|>" turns.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}{{ '" + USER + "' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '" + ASSISTANT + "' + message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}"
+)
+
+
+class TokenizerError(ValueError):
+    """A problem with a tokenizer directory (missing file, bad template, unknown special token)."""
+
+
+def _token_text(tok: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or as {"content": ...}."""
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens and chat template of one checkpoint."""
+
+    def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any] | None = None, source: str = "tokenizer"):
+        self.tok = tokenizer
+        self.config = dict(config or {})
+        self.source = source
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.pad_token = _token_text(self.config.get("pad_token"))
+        self.chat_template = self._select_template(self.config.get("chat_template"))
+        for name in ("bos_token", "eos_token", "pad_token"):
+            text = getattr(self, name)
+            if text is not None and self.tok.token_to_id(text) is None:
+                raise TokenizerError(f"{source}: {name} {text!r} is not in the vocabulary")
+
+    @staticmethod
+    def _select_template(t: Any) -> str | None:
+        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+            named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+            return named.get("default") or next(iter(named.values()), None)
+        return t if isinstance(t, str) else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise TokenizerError(f"{tj}: tokenizer file not found")
+        try:
+            tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises plain Exception subclasses
+            raise TokenizerError(f"{tj}: cannot read tokenizer ({str(e).splitlines()[0]})") from None
+        config: dict[str, Any] = {}
+        tc = path / "tokenizer_config.json"
+        if tc.is_file():
+            try:
+                config = json.loads(tc.read_text())
+            except json.JSONDecodeError as e:
+                raise TokenizerError(f"{tc}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        jinja = path / "chat_template.jinja"  # transformers >= 4.50 writes the template here
+        if jinja.is_file():
+            config["chat_template"] = jinja.read_text()
+        return cls(tok, config, source=str(path))
+
+    # ---- ids ----
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.tok.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.tok.token_to_id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return None if self.pad_token is None else self.tok.token_to_id(self.pad_token)
+
+    # ---- text ----
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. by the chat template) map to their ids.
+        `add_special_tokens` prepends BOS (unless the text already starts with it)."""
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        bos = self.bos_token_id
+        if add_special_tokens and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{"role": "user", "content": "..."}, ...]) with the checkpoint's chat template."""
+        if self.chat_template is None:
+            raise TokenizerError(f"{self.source}: tokenizer_config.json has no chat_template")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] = {m!r}: expected {{'role': str, 'content': str}}")
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                pad_token=self.pad_token or "")
+        except _TemplateRaised as e:
+            raise ValueError(f"chat template: {e}") from None
+
+
+class _TemplateRaised(Exception):
+    pass
+
+
+def _raise(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    try:
+        return env.from_string(template)
+    except TemplateSyntaxError as e:
+        raise TokenizerError(f"chat_template: jinja syntax error at line {e.lineno}: {e.message}") from None
+
+
+# ---- training (offline) ----
+STDLIB_MODULES = (
+    "abc argparse ast asyncio base64 bisect calendar codecs collections colorsys configparser contextlib copy csv "
+    "dataclasses datetime decimal difflib email enum fnmatch fractions functools getopt gettext glob gzip hashlib "
+    "heapq html http.client imaplib inspect io itertools json locale logging lzma math operator optparse pathlib "
+    "pickle platform pprint queue random re select shutil signal socket sqlite3 statistics string struct "
+    "subprocess tarfile tempfile textwrap threading time timeit tokenize traceback types typing unicodedata "
+    "unittest urllib.parse urllib.request uuid warnings weakref zipfile zlib"
+).split()
+
+
+def stdlib_corpus() -> list[str]:
+    """Docstrings of Python standard-library modules and their members: ~0.5 MB of English prose and code,
+    available on every machine without network. Deterministic for one Python version."""
+    seen: dict[str, None] = {}
+    for name in STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # a module missing from a minimal Python build
+            continue
+        docs = [mod.__doc__]
+        for _, obj in sorted(vars(mod).items()):
+            if inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj):
+                docs.append(obj.__doc__)
+        for d in docs:
+            if isinstance(d, str) and d.strip():
+                seen.setdefault(inspect.cleandoc(d), None)
+    return list(seen)
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path,
+                        special_tokens: list[str] | None = None, chat_template: str = CHAT_TEMPLATE) -> Tokenizer:
+    """Train a byte-level BPE tokenizer with exactly `vocab_size` ids and write tokenizer.json +
+    tokenizer_config.json (BOS / EOS / PAD and the chat template) into `out_dir`.
+
+    Special tokens take ids 0.. in the order given (default `SPECIAL_TOKENS`: BOS=0, EOS=1, PAD=2, NOISE=3,
+    User, Assistant). If the corpus yields fewer merges than needed, `<|reserved_N|>` tokens fill the vocabulary
+    so that every id a model of this vocab_size can emit decodes."""
+    special_tokens = list(SPECIAL_TOKENS if special_tokens is None else special_tokens)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    minimum = len(special_tokens) + len(alphabet)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size = {vocab_size}: a byte-level BPE tokenizer needs at least {minimum} ids "
+                         f"(256 bytes + {len(special_tokens)} special tokens)")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=alphabet,
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
+    if missing > 0:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": special_tokens[0] if len(special_tokens) > 0 else None,
+        "eos_token": special_tokens[1] if len(special_tokens) > 1 else None,
+        "pad_token": special_tokens[2] if len(special_tokens) > 2 else None,
+        "add_bos_token": False,
+        "model_max_length": 1 << 20,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": chat_template,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return Tokenizer.from_dir(out_dir)

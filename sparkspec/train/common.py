@@ -1,0 +1,158 @@
+"""Shared training plumbing: device/precision, seeds, a step-or-time budget with a warmup+cosine schedule,
+tqdm progress, periodic checkpoints and resume.
+
+Precision: parameters stay fp32 (the master copy AdamW updates); on an accelerator the forward runs under
+bf16 autocast, on CPU everything is fp32 (exact, and CPU bf16 matmuls are slow).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+def use_native_ops() -> None:
+    """Training needs autograd through every op: use the PyTorch references, not inference kernels."""
+    from sparkspec.ops.registry import ops
+
+    ops.use_native = True
+    ops._resolved.clear()
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (1 << 32))
+    except ImportError:
+        pass
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    if name:
+        return torch.device(name)
+    from sparkspec.platform import current_platform
+
+    return current_platform().device
+
+
+def autocast(device: torch.device):
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+@dataclass
+class Budget:
+    """Train until `steps` optimizer steps or `minutes` of wall time, whichever comes first.
+
+    The schedule follows `progress` = the larger of the two fractions, so a time-limited run still
+    warms up and decays to zero."""
+
+    steps: int
+    minutes: float | None = None
+    warmup_frac: float = 0.04
+    start_time: float = field(default_factory=time.perf_counter)
+    elapsed_before: float = 0.0  # seconds spent in earlier (resumed) runs
+
+    @property
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.start_time
+
+    def progress(self, step: int) -> float:
+        p = step / max(self.steps, 1)
+        if self.minutes:
+            p = max(p, self.elapsed / (60 * self.minutes))
+        return min(p, 1.0)
+
+    def done(self, step: int) -> bool:
+        return self.progress(step) >= 1.0
+
+    def lr_scale(self, step: int) -> float:
+        p = self.progress(step)
+        if p < self.warmup_frac:
+            return max(p / self.warmup_frac, 1e-3)
+        q = (p - self.warmup_frac) / max(1 - self.warmup_frac, 1e-9)
+        return 0.5 * (1 + math.cos(math.pi * min(q, 1.0)))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+def progress_bar(total: int, desc: str, disable: bool | None = None):
+    from tqdm import tqdm
+
+    if disable is None:
+        disable = os.environ.get("SPARKSPEC_NO_PROGRESS") == "1"
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=disable, mininterval=2.0)
+
+
+STATE_FILE = "train_state.pt"
+
+
+def save_state(out_dir: Path, step: int, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer,
+               elapsed: float, log: list[dict], extra: dict | None = None) -> Path:
+    """Resumable state (trainable parameters, optimizer, step, wall time, loss log), written atomically."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "params": {k: v.detach().cpu() for k, v in params.items()},
+                "opt": opt.state_dict(), "elapsed": elapsed, "log": log, "extra": extra or {},
+                "rng": torch.get_rng_state()}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_state(out_dir: Path) -> dict | None:
+    path = out_dir / STATE_FILE
+    if not path.is_file():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@dataclass
+class RunLog:
+    """Loss history kept with the checkpoint and summarised in the README (first/last averages, time)."""
+
+    entries: list[dict] = field(default_factory=list)
+
+    def add(self, step: int, elapsed: float, **values: float) -> None:
+        self.entries.append({"step": step, "time_s": round(elapsed, 2), **{k: round(float(v), 5)
+                                                                            for k, v in values.items()}})
+
+    def summary(self, window: int = 20) -> dict:
+        if not self.entries:
+            return {}
+        keys = [k for k in self.entries[-1] if k not in ("step", "time_s")]
+        head, tail = self.entries[:window], self.entries[-window:]
+        return {"steps": self.entries[-1]["step"], "time_s": self.entries[-1]["time_s"],
+                **{f"{k}_first": sum(e.get(k, 0) for e in head) / len(head) for k in keys},
+                **{f"{k}_last": sum(e.get(k, 0) for e in tail) / len(tail) for k in keys}}
+
+    def write(self, path: Path, **meta) -> None:
+        path.write_text(json.dumps({"summary": self.summary(), **meta, "log": self.entries}, indent=1) + "\n")
+
+
+def adamw(params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95)) -> torch.optim.AdamW:
+    params = [p for p in params if p.requires_grad]
+    kw = {"fused": True} if params and params[0].is_cuda else {}
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **kw)
+
+
+def config_dict(obj) -> dict:
+    return asdict(obj)

@@ -1,0 +1,64 @@
+"""Tiny deterministic helpers for the speculative-decoding tests (random target + drafters, built in-test)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from sparkspec.config import ModelConfig
+from sparkspec.generation import Generator
+from sparkspec.models.deepseek_v4 import DeepseekV4Model
+from sparkspec.models.dspark import init_dspark_tensors
+from sparkspec.models.mtp import init_mtp_tensors
+from sparkspec.models.random_init import random_tensors
+from sparkspec.models.weights import load_state
+from sparkspec.sampling_params import SamplingParams
+
+DEVICE = torch.device("cpu")
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    cfg = ModelConfig.preset("tiny")
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def random_target(cfg: ModelConfig, seed: int = 0, head_scale: float = 4.0,
+                  dtype: torch.dtype = torch.float64) -> DeepseekV4Model:
+    """A random target; `head_scale` spreads the logits so that greedy ties never decide a test."""
+    model = DeepseekV4Model(cfg)
+    tensors = random_tensors(model, torch.Generator().manual_seed(seed))
+    tensors["head.weight"] *= head_scale
+    load_state(model, tensors)
+    return model.to(DEVICE, dtype).eval()
+
+
+def drafter_tensors(cfg: ModelConfig, seed: int = 1, which: str = "both") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    if which in ("dspark", "both"):
+        out.update(init_dspark_tensors(cfg, g))
+    if which in ("mtp", "both"):
+        out.update(init_mtp_tensors(cfg, g, cfg.num_dspark_layers if which == "both" else 0))
+    return out
+
+
+@functools.cache
+def tiny_setup(seed: int = 0):
+    cfg = tiny_config()
+    return cfg, random_target(cfg, seed), drafter_tensors(cfg, seed + 1)
+
+
+def mixed_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # ids >= 4 keep clear of bos / eos / the noise token; repeats make n-gram lookup fire now and then
+    out = []
+    for n in lengths:
+        base = torch.randint(4, vocab, (max(1, n // 2),), generator=g).tolist()
+        out.append((base * 3)[:n] if n % 3 == 0 else torch.randint(4, vocab, (n,), generator=g).tolist())
+    return out
+
+
+def plain_generate(model, prompts, params: SamplingParams) -> list[list[int]]:
+    return [s.output_ids for s in Generator(model).generate(prompts, params)]

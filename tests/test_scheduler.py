@@ -1,0 +1,215 @@
+"""Scheduler and block manager: plain Python, no torch, no model. A fake runner plays the model's part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from sparkspec.engine.block_manager import BlockManager
+from sparkspec.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from sparkspec.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Params:
+    max_tokens: int = 4
+
+
+def make(num_blocks=64, block_size=4, blocks_per_seq=0, **cfg):
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size, blocks_per_seq))
+
+
+def seq(i, prompt_len=6, max_tokens=4):
+    return Sequence(i, list(range(10, 10 + prompt_len)), Params(max_tokens))
+
+
+def run_step(sched, accept=0):
+    """Fake runner: compute scheduled chunks, append a token when a chunk reaches the end (+ `accept` drafts)."""
+    out = sched.schedule()
+    for s in out.scheduled:
+        sq = s.seq
+        reached_end = s.samples
+        sq.num_cached_tokens += s.num_tokens
+        if reached_end:
+            extra = min(accept, s.num_lookahead)
+            sq.num_cached_tokens += extra
+            sq.output_ids += [7] * (1 + extra)
+            if len(sq.output_ids) >= sq.params.max_tokens:
+                del sq.output_ids[sq.params.max_tokens:]
+                sq.num_cached_tokens = min(sq.num_cached_tokens, sq.num_tokens - 1)
+                sq.finish("length")
+    sched.update()
+    return out
+
+
+def drain(sched, max_steps=500, **kw):
+    steps = 0
+    while sched.has_unfinished():
+        run_step(sched, **kw)
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    return steps
+
+
+def test_admission_respects_max_num_seqs_and_token_budget():
+    sched = make(max_num_seqs=2, max_num_batched_tokens=8)
+    seqs = [seq(i, prompt_len=6) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    # seq 0 gets its whole prompt (6), seq 1 a chunk of 2, seq 2 waits (max_num_seqs and budget)
+    assert [(x.seq.seq_id, x.num_tokens) for x in out.scheduled] == [(0, 6), (1, 2)]
+    assert out.num_batched_tokens == 8
+    assert seqs[2].status == SequenceStatus.WAITING
+
+
+def test_chunked_prefill_mixes_with_decode():
+    sched = make(max_num_batched_tokens=5)
+    a, b = seq(0, prompt_len=4), seq(1, prompt_len=12)
+    sched.add(a)
+    run_step(sched)  # a's prompt, first token sampled
+    sched.add(b)
+    out = run_step(sched)
+    assert [(x.seq.seq_id, x.num_tokens, x.samples) for x in out.scheduled] == [(0, 1, True), (1, 4, False)]
+    out = run_step(sched)
+    assert [(x.seq.seq_id, x.num_tokens) for x in out.scheduled] == [(0, 1), (1, 4)]
+
+
+def test_chunked_prefill_off_waits_for_room():
+    sched = make(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    sched.add(seq(0, prompt_len=6))
+    sched.add(seq(1, prompt_len=6))
+    out = sched.schedule()
+    assert [x.num_tokens for x in out.scheduled] == [6]
+
+
+def test_everything_finishes_and_all_blocks_return():
+    sched = make(num_blocks=20, max_num_seqs=4, max_num_batched_tokens=16)
+    seqs = [seq(i, prompt_len=3 + i, max_tokens=5) for i in range(10)]
+    for s in seqs:
+        sched.add(s)
+    drain(sched)
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 5 for s in seqs)
+    assert sched.block_manager.num_free_blocks == 20
+
+
+def test_preempts_youngest_and_recomputes():
+    # 6 blocks of 4 tokens; each sequence needs up to 3 blocks (8 prompt + 4 output = 12 tokens).
+    sched = make(num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [seq(i, prompt_len=7, max_tokens=4) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = run_step(sched)  # admits 0 and 1 (2 blocks each); 2 cannot fit its prompt + 1 yet -> waits
+    assert [x.seq.seq_id for x in out.scheduled] == [0, 1, 2][: len(out.scheduled)]
+    preempted = []
+    while sched.has_unfinished():
+        out = run_step(sched)
+        preempted += [p.seq_id for p in out.preempted]
+    assert preempted, "expected a preemption"
+    assert all(p != 0 for p in preempted), "the oldest request must never be the victim"
+    victim = seqs[preempted[0]]
+    assert victim.num_preemptions >= 1
+    # recompute keeps what was produced: every request ends with exactly max_tokens outputs
+    assert all(len(s.output_ids) == 4 and s.finish_reason == "length" for s in seqs)
+    assert sched.block_manager.num_free_blocks == 6
+
+
+def test_preempted_request_recomputes_prompt_and_outputs():
+    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    old, young = seq(0, prompt_len=7, max_tokens=8), seq(1, prompt_len=3, max_tokens=8)
+    sched.add(old)
+    sched.add(young)
+    for _ in range(3):
+        out = run_step(sched)
+        if out.preempted:
+            break
+    else:
+        while not out.preempted:
+            out = run_step(sched)
+    assert out.preempted == [young]
+    assert young.num_cached_tokens == 0 and young.block_ids == [] and young.cache is None
+    produced = list(young.output_ids)
+    assert produced, "the victim had produced tokens before preemption"
+    while young.status != SequenceStatus.RUNNING:
+        out = run_step(sched)
+    first = next(x for x in out.scheduled if x.seq is young)
+    assert first.num_tokens == len(young.prompt_ids) + len(produced)  # prompt + outputs recomputed
+    assert young.output_ids[: len(produced)] == produced
+
+
+def test_request_that_can_never_fit_is_refused_clearly():
+    sched = make(num_blocks=4, block_size=4, max_model_len=100)
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add(seq(0, prompt_len=15, max_tokens=4))
+    with pytest.raises(ValueError, match="context length"):
+        sched.add(seq(1, prompt_len=90, max_tokens=20))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add(seq(2, prompt_len=0))
+
+
+def test_queue_full():
+    sched = make(max_waiting=2)
+    sched.add(seq(0))
+    sched.add(seq(1))
+    with pytest.raises(QueueFullError):
+        sched.add(seq(2))
+
+
+@pytest.mark.parametrize("where", ["waiting", "running", "mid_prefill"])
+def test_abort_frees_blocks(where):
+    sched = make(num_blocks=16, max_num_batched_tokens=4)
+    s = seq(0, prompt_len=10)
+    sched.add(s)
+    if where != "waiting":
+        run_step(sched)
+        if where == "running":
+            while s.is_prefill:
+                run_step(sched)
+        assert s.block_ids
+    sched.abort(s)
+    assert s.finish_reason == "abort" and not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == 16
+    sched.abort(s)  # idempotent
+
+
+def test_lookahead_reserved_and_trimmed():
+    sched = make(num_blocks=32, block_size=2, num_lookahead_tokens=3, max_num_batched_tokens=64)
+    s = seq(0, prompt_len=4, max_tokens=10)
+    sched.add(s)
+    run_step(sched)  # prefill -> first token
+    out = sched.schedule()
+    assert out.scheduled[0].num_lookahead == 3
+    assert len(s.block_ids) == sched.block_manager.blocks_for(s.num_cached_tokens + 1 + 3)
+    s.num_cached_tokens += 1
+    s.output_ids.append(5)  # every draft rejected: only the bonus token
+    sched.update()
+    assert len(s.block_ids) == sched.block_manager.blocks_for(s.num_tokens)
+
+
+def test_lookahead_capped_by_remaining_tokens():
+    sched = make(num_lookahead_tokens=4)
+    s = seq(0, prompt_len=4, max_tokens=3)
+    sched.add(s)
+    run_step(sched)
+    # 1 produced, 2 more allowed: the pending token + 1 draft yield at most 2 new tokens
+    assert sched.schedule().scheduled[0].num_lookahead == 1
+
+
+def test_speculative_acceptance_finishes_faster():
+    a, b = make(num_lookahead_tokens=3), make(num_lookahead_tokens=3)
+    for sched in (a, b):
+        for i in range(4):
+            sched.add(seq(i, max_tokens=12))
+    assert drain(a, accept=3) < drain(b, accept=0)
+
+
+def test_blocks_per_seq_charged_once():
+    bm = BlockManager(10, 4, blocks_per_seq=2)
+    s = seq(0)
+    assert bm.blocks_for(5) == 4
+    bm.allocate(s, 5)
+    bm.allocate(s, 8)
+    assert len(s.block_ids) == 4 and bm.usage == pytest.approx(0.4)
+    bm.free(s)
+    assert bm.num_free_blocks == 10

@@ -1,0 +1,283 @@
+"""The OpenAI-compatible server, driven by the real `openai` client against uvicorn on a free port (in-process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine_helpers import tiny_checkpoint
+from sparkspec.checkpoint import load_checkpoint
+from sparkspec.engine.async_engine import AsyncLLMEngine
+from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.serve.api import create_app
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.port = free_port()
+        self.app = create_app(AsyncLLMEngine(engine), MODEL, default_max_tokens=8)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    ckpt = load_checkpoint(tiny_checkpoint())
+    engine = LLMEngine(ckpt.model, ckpt.tokenizer, EngineConfig(max_num_seqs=64, max_waiting=256))
+    with Server(engine) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def wait_idle(engine: LLMEngine, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while engine.has_unfinished() or engine.kv_usage > 0:
+        assert time.time() < deadline, f"engine not idle: running={engine.scheduler.num_running} usage={engine.kv_usage}"
+        time.sleep(0.02)
+
+
+def test_completion(client):
+    r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=6, temperature=0, extra_body={
+        "ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 0
+    assert isinstance(r.choices[0].text, str)
+
+
+def test_completion_matches_offline_engine(client, server):
+    prompt_ids = [0, 17, 99, 250, 7]
+    r = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ckpt_tok = server.engine.tokenizer
+    ref = LLMEngine(server.engine.model, ckpt_tok, EngineConfig()).generate(
+        [prompt_ids], __import__("sparkspec.sampling_params", fromlist=["SamplingParams"]).SamplingParams(
+            max_tokens=5, ignore_eos=True))[0]
+    assert r.choices[0].text == ref.text
+
+
+def test_chat(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": "Hi!"}], max_tokens=5)
+    assert r.choices[0].message.role == "assistant"
+    assert r.object == "chat.completion" and r.usage.completion_tokens <= 5
+
+
+def test_streaming_completion_and_chat(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=6, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 6
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    greedy = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert greedy == full.choices[0].message.content
+    assert isinstance(text, str)
+
+
+def test_64_concurrent_streams(server):
+    async def one(c: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await c.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=4, stream=True,
+                                            extra_body={"ignore_eos": True})
+        finish, n = None, 0
+        async for ch in stream:
+            n += 1
+            finish = ch.choices[0].finish_reason or finish
+        return finish, n
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120,
+                                      http_client=openai.DefaultAsyncHttpxClient(
+                                          limits=httpx.Limits(max_connections=100))) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert [f for f, _ in results] == ["length"] * 64
+    wait_idle(server.engine)
+
+
+BAD_REQUESTS = [  # (name, path, raw body or JSON, expected status)
+    ("invalid json", "/v1/completions", b"{not json", 400),
+    ("body not an object", "/v1/completions", [1, 2], 400),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 400),
+    ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400),
+    ("unsupported n", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400),
+    ("unsupported logprobs", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400),
+    ("unsupported penalty", "/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400),
+    ("max_tokens zero", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),
+    ("max_tokens over context", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400),
+    ("max_tokens string", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400),
+    ("temperature negative", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -0.1}, 400),
+    ("temperature bool", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": True}, 400),
+    ("top_p zero", "/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400),
+    ("top_p above one", "/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400),
+    ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400),
+    ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400),
+    ("two prompts", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400),
+    ("stop not strings", "/v1/completions", {"model": MODEL, "prompt": "x", "stop": [1]}, 400),
+    ("chat no messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("chat bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+     400),
+    ("chat tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                            "tools": [{"type": "function"}]}, 400),
+    ("chat content not text", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}, 400),
+    ("wrong method", "/v1/models", None, 405),
+    ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404),
+]
+
+
+def test_bad_requests_get_4xx_while_a_good_request_succeeds(server, client):
+    good: dict = {}
+
+    def run_good():
+        stream = client.completions.create(model=MODEL, prompt="keep going", max_tokens=48, stream=True,
+                                           extra_body={"ignore_eos": True})
+        good["chunks"] = list(stream)
+
+    t = threading.Thread(target=run_good)
+    t.start()
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for name, path, body, status in BAD_REQUESTS:
+            if body is None:
+                r = http.post(path) if path != "/v1/models" else http.delete(path)
+            elif isinstance(body, bytes):
+                r = http.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = http.post(path, json=body)
+            assert r.status_code == status, f"{name}: {r.status_code} {r.text}"
+            if path.startswith("/v1/") and status == 400:
+                err = r.json()["error"]
+                assert err["type"] == "invalid_request_error" and err["message"], name
+        assert http.get("/health").status_code == 200
+    t.join(60)
+    assert good["chunks"][-1].choices[0].finish_reason == "length"
+    assert sum(1 for c in good["chunks"] if c.choices[0].text) >= 1
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_queue_full_is_429_with_retry_after(server):
+    cfg = server.engine.config
+    saved = cfg.max_waiting
+    cfg.max_waiting = 0  # every new request finds the queue full
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    finally:
+        cfg.max_waiting = saved
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+
+
+def test_client_disconnect_frees_kv(server):
+    engine = server.engine
+    wait_idle(engine)
+    for stream in (True, False):
+        body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 1000, "ignore_eos": True,
+                "stream": stream}
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            if stream:
+                with http.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.iter_lines()
+                    assert next(lines).startswith("data: ")
+                    assert engine.kv_usage > 0
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    http.post("/v1/completions", json=body, timeout=0.5)
+        wait_idle(engine)  # the request was aborted and its blocks returned
+    assert engine.stats.num_aborted >= 2
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("sparkspec_requests_total", "sparkspec_prompt_tokens_total", "sparkspec_generation_tokens_total",
+                 "sparkspec_num_requests_waiting", "sparkspec_time_to_first_token_seconds_bucket",
+                 "sparkspec_time_per_output_token_seconds_bucket", "sparkspec_kv_cache_usage_ratio",
+                 "sparkspec_spec_decode_num_draft_tokens_total", "sparkspec_spec_decode_num_accepted_tokens_total",
+                 "sparkspec_http_errors_total"):
+        assert name in text, name
+
+
+def test_sigterm_shuts_down_cleanly(tmp_path):
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "sparkspec.serve.cli", "--model", str(tiny_checkpoint()),
+                             "--port", str(port), "--spec", "none", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                                         "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert json.loads(r.text)["choices"][0]["finish_reason"] in ("length", "stop")

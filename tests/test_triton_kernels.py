@@ -1,0 +1,253 @@
+"""Triton kernels vs their PyTorch natives (the oracles).
+
+On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported);
+with SPARKSPEC_TEST_DEVICE=cuda the same tests run the compiled kernels. bf16 results are compared with the native evaluated on
+fp32-upcast inputs and may differ by 1 bf16 ulp (the interpreter truncates; GPUs round and use tf32 dots on
+the bf16-exact operands; values under 1/4 get the ulp at 1/4 because sums of ±terms cancel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import DEVICE  # SPARKSPEC_TEST_DEVICE=cuda runs the compiled kernels on a GPU
+
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process
+
+try:
+    import triton.language as tl
+
+    if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
+    from sparkspec.ops.triton_kernels import attention as tri_attn
+    from sparkspec.ops.triton_kernels import indices as tri_idx
+    from sparkspec.ops.triton_kernels import mhc as tri_mhc
+except ImportError as exc:  # triton missing here
+    pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
+
+from sparkspec.ops import attention, indices, mhc  # noqa: E402
+from sparkspec.ops.registry import _ACCEL  # noqa: E402
+
+WINDOW = 8  # small sliding window so that rows cross the window edge in a few tokens
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, gen, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def assert_close(actual: torch.Tensor, expected_fp32: torch.Tensor) -> None:
+    """fp32: tight; bf16: within 1 ulp of the fp32 oracle."""
+    assert actual.shape == expected_fp32.shape
+    assert torch.isfinite(actual).all(), "non-finite output"
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected_fp32, rtol=2e-5, atol=2e-5)
+        return
+    mag = expected_fp32.abs().clamp(min=0.25)
+    ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)  # bf16 keeps 7 explicit mantissa bits
+    err = (actual.float() - expected_fp32).abs()
+    worst = (err / ulp).max().item()
+    assert worst <= 1.0, f"max error {worst:.2f} bf16 ulp"
+
+
+# --------------------------------------------------------------------------------------- index builders
+
+def _ragged_batch(lens, starts, gen):
+    """Sequences with `lens[r]` new queries starting at absolute position starts[r]; pools as the model lays them."""
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    lo = torch.tensor([max(0, s - WINDOW + 1) for s in starts])
+    num_raw = torch.tensor([s + n - max(0, s - WINDOW + 1) for s, n in zip(starts, lens)])
+    pool_sizes = [int(r) + (s + n) // 4 for r, s, n in zip(num_raw, starts, lens)]
+    offsets = torch.tensor([0, *torch.tensor(pool_sizes).cumsum(0).tolist()[:-1]])
+    topk = torch.randint(0, 6, (positions.numel(), 6), generator=gen)
+    topk[torch.rand(topk.shape, generator=gen) < 0.3] = -1  # ragged: short top-k lists, -1 padded
+    return [t.to(DEVICE) for t in (positions, cu, lo, num_raw, offsets, topk)]
+
+
+BATCHES = {  # name: (query lengths, start positions)
+    "prefill_from_zero": ([6], [0]),
+    "ragged_mixed": ([5, 0, 1, 7], [0, 3, 130, 20]),  # includes an empty sequence and a long-context decode
+}
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("ratio,with_topk", [(1, False), (4, True), (4, False), (128, False)])
+def test_ragged_swa_compressed_indices(batch, ratio, with_topk):
+    positions, cu, lo, num_raw, offsets, topk = _ragged_batch(*BATCHES[batch], _seeded(0))
+    topk = topk if with_topk else None
+    got = tri_idx.ragged_swa_compressed_indices(positions, cu, lo, num_raw, offsets, WINDOW, ratio, topk)
+    want = indices._ragged_swa_compressed_indices_native(positions, cu, lo, num_raw, offsets, WINDOW, ratio, topk)
+    assert got.dtype == want.dtype == torch.long
+    assert torch.equal(got, want)
+    if ratio > 1 and with_topk:
+        assert got.shape[1] == indices.compressed_index_width(WINDOW, topk.shape[1])
+
+
+def test_ragged_hca_explicit_width_pads():
+    positions, cu, lo, num_raw, offsets, _ = _ragged_batch(*BATCHES["ragged_mixed"], _seeded(1))
+    got = tri_idx.ragged_swa_compressed_indices(positions, cu, lo, num_raw, offsets, WINDOW, 4, None, 40)
+    want = indices._ragged_swa_compressed_indices_native(positions, cu, lo, num_raw, offsets, WINDOW, 4, None, 40)
+    assert got.shape == (positions.numel(), indices.compressed_index_width(WINDOW, 40))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("ratio,with_topk", [(1, False), (4, True), (128, False)])
+def test_swa_compressed_indices_one_sequence(ratio, with_topk):
+    positions, _, _, _, _, topk = _ragged_batch([7], [20], _seeded(2))
+    topk = topk if with_topk else None
+    got = tri_idx.swa_compressed_indices(positions, 13, 14, WINDOW, ratio, topk)
+    want = indices._swa_compressed_indices_native(positions, 13, 14, WINDOW, ratio, topk)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("num_block", [1, 5])
+def test_ragged_dspark_block_indices(num_block):
+    num_ctx = torch.tensor([0, 3, WINDOW, 200], device=DEVICE)  # empty, short, exactly window, long context
+    offsets = torch.tensor([0, 10, 50, 90], device=DEVICE)
+    got = tri_idx.ragged_dspark_block_indices(num_ctx, offsets, num_block, WINDOW)
+    want = indices._ragged_dspark_block_indices_native(num_ctx, offsets, num_block, WINDOW)
+    assert got.shape == (4 * num_block, indices.dspark_index_width(WINDOW, num_block))
+    assert torch.equal(got, want)
+    assert (got[-1] >= 0).all(), "a long-context row is full: window context rows + every block row"
+
+
+def test_index_preconditions_are_messages():
+    with pytest.raises(ValueError, match="topk must be"):
+        p = torch.arange(4, device=DEVICE)
+        one = torch.tensor([0], device=DEVICE)
+        tri_idx.ragged_swa_compressed_indices(p, torch.tensor([0, 4], device=DEVICE), one, one + 4, one, WINDOW, 4,
+                                              torch.zeros(3, 2, dtype=torch.long, device=DEVICE))
+
+
+# --------------------------------------------------------------------------------------- sparse attention
+
+def _attention_indices(case: str, gen) -> tuple[torch.Tensor, int]:
+    """-> (indices [T, W] into a pool, pool rows)"""
+    if case == "swa_causal":  # early positions: -1 at the start of the row
+        idx = indices._swa_compressed_indices_native(torch.arange(10, device=DEVICE), 0, 10, WINDOW, 1, None)
+        return idx, 10
+    if case == "csa_topk_ragged":
+        positions, cu, lo, num_raw, offsets, topk = _ragged_batch([5, 1, 7], [0, 130, 20], gen)
+        idx = indices._ragged_swa_compressed_indices_native(positions, cu, lo, num_raw, offsets, WINDOW, 4, topk)
+        return idx, int(idx.max()) + 1
+    if case == "dspark_noncausal":  # width = window + k block rows
+        num_ctx = torch.tensor([3, 30], device=DEVICE)
+        idx = indices._ragged_dspark_block_indices_native(num_ctx, torch.tensor([0, 8], device=DEVICE), 5, WINDOW)
+        assert idx.shape[1] == indices.dspark_index_width(WINDOW, 5)
+        return idx, 8 + 35
+    if case == "random_padding":  # padding anywhere, one fully padded row, a row with one entry
+        idx = torch.randint(0, 50, (6, 37), generator=gen)
+        idx[torch.rand(idx.shape, generator=gen) < 0.4] = -1
+        idx[1] = -1
+        idx[2, :] = -1
+        idx[2, 30] = 7
+        return idx.to(DEVICE), 50
+    raise KeyError(case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_sink", [True, False], ids=["sink", "nosink"])
+@pytest.mark.parametrize("case", ["swa_causal", "csa_topk_ragged", "dspark_noncausal", "random_padding"])
+def test_sparse_attention(case, with_sink, dtype):
+    gen = _seeded(3)
+    idx, num_rows = _attention_indices(case, gen)
+    T, h, D = idx.shape[0], 20, 48  # heads and width off the block sizes: exercises the masks
+    q = _randn(T, h, D, gen=gen, dtype=dtype)
+    kv = _randn(num_rows, D, gen=gen, dtype=dtype)
+    sink = _randn(h, gen=gen) if with_sink else torch.full((h,), float("-inf"), device=DEVICE)
+    got = tri_attn.sparse_attention(q, kv, idx, sink, D**-0.5)
+    want = attention.sparse_attention(q.float(), kv.float(), idx, sink, D**-0.5)
+    keep = (idx >= 0).any(dim=1) | with_sink  # no entry and no sink: native NaN, kernel zeros
+    assert got.dtype == dtype
+    assert_close(got[keep], want[keep])
+    assert (got[~keep] == 0).all()
+
+
+def test_sparse_attention_int32_indices_and_strided_q():
+    gen = _seeded(4)
+    idx, num_rows = _attention_indices("csa_topk_ragged", gen)
+    q = _randn(idx.shape[0], 32, 64, gen=gen)[:, ::2]  # every other head: non-unit head stride
+    kv = _randn(num_rows, 64, gen=gen)
+    sink = _randn(16, gen=gen)
+    got = tri_attn.sparse_attention(q, kv, idx.to(torch.int32), sink, 0.125)
+    assert_close(got, attention.sparse_attention(q, kv, idx, sink, 0.125))
+
+
+def test_sparse_attention_preconditions_are_messages():
+    q = torch.zeros(2, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="sink has 3 entries"):
+        tri_attn.sparse_attention(q, torch.zeros(5, 16, device=DEVICE), torch.zeros(2, 3, dtype=torch.long,
+                                                                                   device=DEVICE),
+                                  torch.zeros(3, device=DEVICE), 1.0)
+
+
+# --------------------------------------------------------------------------------------- mHC
+
+def _mhc_inputs(n: int, T: int, H: int, num_mix: int, dtype, seed: int):
+    gen = _seeded(seed)
+    x = _randn(T, n, H, gen=gen, dtype=dtype)
+    fn = _randn(num_mix, n * H, gen=gen, scale=0.05)
+    base = _randn(num_mix, gen=gen, scale=0.5)
+    return gen, x, fn, base
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,iters", [(4, 20), (4, 1), (3, 7)])
+def test_mhc_pre(n, iters, dtype):
+    T, H = 19, 96  # T not a multiple of the token block
+    gen, x, fn, base = _mhc_inputs(n, T, H, (2 + n) * n, dtype, seed=5)
+    scale = _randn(3, gen=gen, scale=0.3).abs() + 0.5
+    layer_input, post, comb = tri_mhc.mhc_pre(x, fn, scale, base, 1e-6, 1e-6, iters)
+    want_input, want_post, want_comb = mhc.mhc_pre(x.float(), fn, scale, base, 1e-6, 1e-6, iters)
+    assert layer_input.dtype == dtype and post.dtype == comb.dtype == torch.float32
+    assert_close(layer_input, want_input)
+    torch.testing.assert_close(post, want_post, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(comb, want_comb, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [4, 3])
+def test_mhc_post(n, dtype):
+    T, H = 7, 80
+    gen = _seeded(6)
+    y = _randn(T, H, gen=gen, dtype=dtype)
+    x = _randn(T, n, H, gen=gen, dtype=dtype)
+    post = _randn(T, n, gen=gen).sigmoid() * 2
+    comb = torch.softmax(_randn(T, n, n, gen=gen), dim=-1)
+    got = tri_mhc.mhc_post(y, x, post, comb)
+    assert got.dtype == dtype
+    assert_close(got, mhc.mhc_post(y.float(), x.float(), post, comb))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [4, 3])
+def test_hc_head(n, dtype):
+    T, H = 19, 96
+    gen, x, fn, base = _mhc_inputs(n, T, H, n, dtype, seed=7)
+    scale = _randn(1, gen=gen).abs()
+    got = tri_mhc.hc_head(x, fn, scale, base, 1e-6, 1e-6)
+    assert_close(got, mhc.hc_head(x.float(), fn, scale, base, 1e-6, 1e-6))
+
+
+def test_mhc_preconditions_are_messages():
+    x = torch.zeros(2, 4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"fn must be \[24, 32\]"):
+        tri_mhc.mhc_pre(x, torch.zeros(24, 8, device=DEVICE), torch.ones(3, device=DEVICE),
+                        torch.zeros(24, device=DEVICE), 1e-6, 1e-6, 3)
+
+
+# --------------------------------------------------------------------------------------- dispatch
+
+@pytest.mark.parametrize("name", ["sparse_attention", "swa_compressed_indices", "ragged_swa_compressed_indices",
+                                  "ragged_dspark_block_indices", "mhc_pre", "mhc_post", "hc_head"])
+def test_registered_for_every_accelerator(name):
+    for platform in ("cuda", "rocm", "xpu"):
+        assert (platform, name) in _ACCEL, f"{name} has no Triton version for {platform}"
