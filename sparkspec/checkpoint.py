@@ -23,8 +23,8 @@ from sparkspec.models.weights import CheckpointError, load_state, read_tensors
 from sparkspec.platform import current_platform, default_dtype
 from sparkspec.tokenizer import Tokenizer, TokenizerError, stdlib_corpus, train_bpe_tokenizer
 
-__all__ = ["CheckpointError", "LoadedCheckpoint", "load_checkpoint", "init_checkpoint", "write_checkpoint",
-           "resolve_dtype"]
+__all__ = ["CheckpointError", "LoadedCheckpoint", "init_checkpoint", "load_checkpoint", "resolve_dtype",
+           "write_checkpoint"]
 
 DrafterKind = Literal["dspark", "mtp", "both"]
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -45,7 +45,10 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dtype not in names:
+        raise ValueError(f"dtype = {dtype}: expected one of {sorted(names.values())}")
+    return names[dtype]
 
 
 @dataclass
@@ -78,6 +81,15 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
         raise CheckpointError(f"{path}: checkpoint directory not found")
     cfg = read_config(path)
     device = torch.device(device) if device is not None else current_platform().device
+    tokenizer = None  # read first: a broken tokenizer fails before the weights load
+    if (path / "tokenizer.json").is_file():
+        try:
+            tokenizer = Tokenizer.from_dir(path)
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
+                                  f"vocab_size={cfg.vocab_size}")
     tensors = read_tensors(path, progress=progress)
     drafter_tensors = {k: tensors.pop(k) for k in sorted(tensors) if k.startswith("mtp.")}
     if cfg.tie_word_embeddings and "head.weight" not in tensors and "embed.weight" in tensors:
@@ -90,15 +102,6 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
     model.keep_fp32()  # before copying, so fp32 checkpoint values keep their precision
     load_state(model, tensors, source=str(path))
     model.eval()
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        try:
-            tokenizer = Tokenizer.from_dir(path)
-        except TokenizerError as e:
-            raise CheckpointError(str(e)) from None
-        if tokenizer.vocab_size > cfg.vocab_size:
-            raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
-                                  f"vocab_size={cfg.vocab_size}")
     return LoadedCheckpoint(model, cfg, tokenizer, drafter_tensors, path)
 
 
@@ -191,8 +194,7 @@ def write_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tens
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    if store_dtype is not None:
-        cfg = replace(cfg, torch_dtype=dtype_name(store_dtype))
+    cfg = replace(cfg, torch_dtype=dtype_name(tensors["embed.weight"].dtype))  # what the file really holds
     (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -239,29 +241,19 @@ def random_target_tensors(cfg: ModelConfig, generator: torch.Generator) -> dict[
 
 def random_drafter_tensors(cfg: ModelConfig, drafter: DrafterKind | None,
                            generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """`mtp.*` tensors for the requested drafter(s), made by the drafter modules themselves."""
+    """`mtp.*` tensors for the requested drafter(s), made by the drafter modules themselves
+    (`init_dspark_tensors` / `init_mtp_tensors`; with 'both' the MTP layers follow the DSpark stages)."""
     if drafter is None:
         return {}
     if drafter not in ("dspark", "mtp", "both"):
         raise ValueError(f"drafter = {drafter!r}: expected None, 'dspark', 'mtp' or 'both'")
-    out: dict[str, torch.Tensor] = {}
-    if drafter in ("dspark", "both"):
-        if not cfg.has_dspark:
-            raise ValueError("drafter 'dspark' needs config fields 'dspark_block_size' and 'dspark_target_layer_ids'")
-        from sparkspec.models.dspark import init_dspark_tensors
+    if drafter in ("dspark", "both") and not cfg.has_dspark:
+        raise ValueError("drafter 'dspark' needs config fields 'dspark_block_size' and 'dspark_target_layer_ids'")
+    if drafter in ("mtp", "both") and cfg.num_nextn_predict_layers < 1:
+        raise ValueError("drafter 'mtp' needs config field 'num_nextn_predict_layers' >= 1")
+    from sparkspec.models.mtp import init_drafter_tensors  # stage numbering of 'both' lives there
 
-        out.update(init_dspark_tensors(cfg, generator))
-    if drafter in ("mtp", "both"):
-        if cfg.num_nextn_predict_layers < 1:
-            raise ValueError("drafter 'mtp' needs config field 'num_nextn_predict_layers' >= 1")
-        from sparkspec.models.mtp import init_mtp_tensors
-
-        mtp = init_mtp_tensors(cfg, generator)
-        clash = sorted(set(mtp) & set(out))
-        if clash:
-            raise ValueError(f"drafter 'both': DSpark and MTP tensors share the name '{clash[0]}'")
-        out.update(mtp)
-    return out
+    return init_drafter_tensors(cfg, generator, drafter)
 
 
 def init_checkpoint(preset_or_config: str | ModelConfig | dict, out_dir: str | Path, seed: int = 0,

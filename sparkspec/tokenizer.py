@@ -11,6 +11,7 @@ import functools
 import importlib
 import inspect
 import json
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,7 @@ class Tokenizer:
         return t if isinstance(t, str) else None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tj = path / "tokenizer.json"
         if not tj.is_file():
@@ -185,9 +186,11 @@ def stdlib_corpus() -> list[str]:
         except Exception:  # a module missing from a minimal Python build
             continue
         docs = [mod.__doc__]
-        for _, obj in sorted(vars(mod).items()):
-            if inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj):
-                docs.append(obj.__doc__)
+        with warnings.catch_warnings():  # deprecated aliases (typing.io, ...) warn when touched
+            warnings.simplefilter("ignore")
+            for _, obj in sorted(vars(mod).items()):
+                if inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj):
+                    docs.append(obj.__doc__)
         for d in docs:
             if isinstance(d, str) and d.strip():
                 seen.setdefault(inspect.cleandoc(d), None)

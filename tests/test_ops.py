@@ -28,8 +28,23 @@ def close(a, b, tol=1e-5):
 # ---------------------------------------------------------------- mHC
 
 
+def _sinkhorn(c, n, eps, iters):
+    """In place on an n x n list of lists: normalise columns, then (rows, columns) iters - 1 more times."""
+    passes = ["cols"] + ["rows", "cols"] * (iters - 1)
+    for kind in passes:
+        if kind == "rows":
+            for i in range(n):
+                s = sum(c[i]) + eps
+                c[i] = [v / s for v in c[i]]
+        else:
+            for j in range(n):
+                s = sum(c[i][j] for i in range(n)) + eps
+                for i in range(n):
+                    c[i][j] /= s
+
+
 def naive_mhc_pre(x, fn, scale, base, rms_eps, hc_eps, iters):
-    T, n, H = x.shape
+    T, n, _ = x.shape
     inputs, posts, combs = [], [], []
     for t in range(T):
         flat = x[t].reshape(-1).double()
@@ -44,25 +59,11 @@ def naive_mhc_pre(x, fn, scale, base, rms_eps, hc_eps, iters):
             e = [math.exp(v - m) for v in c[i]]
             c[i] = [v / sum(e) + hc_eps for v in e]
 
-        def norm_cols():
-            for j in range(n):
-                s = sum(c[i][j] for i in range(n)) + hc_eps
-                for i in range(n):
-                    c[i][j] /= s
-
-        def norm_rows():
-            for i in range(n):
-                s = sum(c[i]) + hc_eps
-                c[i] = [v / s for v in c[i]]
-
-        norm_cols()
-        for _ in range(iters - 1):
-            norm_rows()
-            norm_cols()
+        _sinkhorn(c, n, hc_eps, iters)
         inputs.append(sum(pre[i] * x[t, i].double() for i in range(n)))
         posts.append(post)
         combs.append(c)
-    f = dict(dtype=torch.float32, device=x.device)
+    f = {"dtype": torch.float32, "device": x.device}
     return torch.stack(inputs).float(), torch.tensor(posts, **f), torch.tensor(combs, **f)
 
 
@@ -245,7 +246,9 @@ def test_moe_route_hash_ids_are_used():
 def test_swiglu_clamps_gate_above_and_up_both_sides():
     gate = torch.tensor([20.0, -20.0, 3.0, 20.0], device=DEVICE)
     up = torch.tensor([-30.0, 5.0, 30.0, 4.0], device=DEVICE)
-    silu = lambda v: v / (1 + math.exp(-v))  # noqa: E731
+    def silu(v):
+        return v / (1 + math.exp(-v))
+
     want = torch.tensor([silu(10) * -10, silu(-20) * 5, silu(3) * 10, silu(10) * 4], device=DEVICE)
     close(swiglu(gate, up, 10.0), want)
 

@@ -213,3 +213,12 @@ def test_blocks_per_seq_charged_once():
     assert len(s.block_ids) == 4 and bm.usage == pytest.approx(0.4)
     bm.free(s)
     assert bm.num_free_blocks == 10
+
+
+def test_policy_modules_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import sparkspec.engine.scheduler, sparkspec.engine.block_manager, sparkspec.engine.budget; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

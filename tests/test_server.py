@@ -17,11 +17,11 @@ import openai
 import pytest
 import uvicorn
 
-from engine_helpers import tiny_checkpoint
 from sparkspec.checkpoint import load_checkpoint
 from sparkspec.engine.async_engine import AsyncLLMEngine
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.sampling_params import SamplingParams
 from sparkspec.serve.api import create_app
 
 MODEL = "tiny"
@@ -59,9 +59,12 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server():
-    ckpt = load_checkpoint(tiny_checkpoint())
-    engine = LLMEngine(ckpt.model, ckpt.tokenizer, EngineConfig(max_num_seqs=64, max_waiting=256))
+def server(tiny_checkpoint_with_drafters, tmp_path_factory):
+    """DSpark with the adaptive budget: every test below also checks speculation through the server."""
+    ckpt = load_checkpoint(tiny_checkpoint_with_drafters)
+    config = EngineConfig(max_num_seqs=64, max_waiting=256, speculative="dspark", spec_budget="adaptive",
+                          cost_cache_dir=str(tmp_path_factory.mktemp("costs")))
+    engine = LLMEngine(ckpt.model, ckpt.tokenizer, config, ckpt.drafter_tensors)
     with Server(engine) as s:
         yield s
 
@@ -90,10 +93,8 @@ def test_completion_matches_offline_engine(client, server):
     prompt_ids = [0, 17, 99, 250, 7]
     r = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
-    ckpt_tok = server.engine.tokenizer
-    ref = LLMEngine(server.engine.model, ckpt_tok, EngineConfig()).generate(
-        [prompt_ids], __import__("sparkspec.sampling_params", fromlist=["SamplingParams"]).SamplingParams(
-            max_tokens=5, ignore_eos=True))[0]
+    plain = LLMEngine(server.engine.model, server.engine.tokenizer, EngineConfig())  # no speculation
+    ref = plain.generate([prompt_ids], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert r.choices[0].text == ref.text
 
 
@@ -251,15 +252,16 @@ def test_models_health_metrics(server, client):
                  "sparkspec_num_requests_waiting", "sparkspec_time_to_first_token_seconds_bucket",
                  "sparkspec_time_per_output_token_seconds_bucket", "sparkspec_kv_cache_usage_ratio",
                  "sparkspec_spec_decode_num_draft_tokens_total", "sparkspec_spec_decode_num_accepted_tokens_total",
-                 "sparkspec_http_errors_total"):
+                 "sparkspec_http_errors_total", "sparkspec_decode_rows_total"):
         assert name in text, name
+    assert server.engine.stats.num_drafted > 0 or server.engine.stats.num_drafter_skipped_steps > 0
 
 
-def test_sigterm_shuts_down_cleanly(tmp_path):
+def test_sigterm_shuts_down_cleanly(tiny_checkpoint_with_drafters):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "sparkspec.serve.cli", "--model", str(tiny_checkpoint()),
-                             "--port", str(port), "--spec", "none", "--log-level", "warning"],
+    proc = subprocess.Popen([sys.executable, "-m", "sparkspec.serve.cli", "--model", str(tiny_checkpoint_with_drafters),
+                             "--port", str(port), "--spec", "none", "--log-level", "warning", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.time() + 60
@@ -281,3 +283,17 @@ def test_sigterm_shuts_down_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert json.loads(r.text)["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from sparkspec.cli import main
+
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    args = ["bench", "serve", "--base-url", server.url, "--label", "dspark adaptive", "--concurrency", "1,4",
+            "--output-len", "4", "--min-requests", "2", "--requests-per-client", "1", "--json", str(out)]
+    assert main(args) == 0
+    assert main(args[:-1] + [str(out), "--append", "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["concurrency"] for r in rows] == [1, 4, 1, 4]
+    assert all(r["output_tokens"] == 4 * r["num_requests"] and r["ttft_ms_p50"] > 0 for r in rows)
+    assert png.stat().st_size > 1000

@@ -228,9 +228,9 @@ def test_mhc_post(n, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n", [4, 3])
-def test_hc_head(n, dtype):
-    T, H = 19, 96
+@pytest.mark.parametrize("n,T", [(4, 19), (3, 19), (4, 1)])  # T=1: one token block split over 3 K chunks
+def test_hc_head(n, T, dtype):
+    H = 96
     gen, x, fn, base = _mhc_inputs(n, T, H, n, dtype, seed=7)
     scale = _randn(1, gen=gen).abs()
     got = tri_mhc.hc_head(x, fn, scale, base, 1e-6, 1e-6)

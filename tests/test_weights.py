@@ -11,8 +11,13 @@ import torch
 from conftest import DEVICE, make_model, random_ids, run_full, tiny_config
 from safetensors.torch import save_file
 
-from sparkspec.checkpoint import (CheckpointError, init_checkpoint, load_checkpoint, random_target_tensors,
-                                  write_checkpoint)
+from sparkspec.checkpoint import (
+    CheckpointError,
+    init_checkpoint,
+    load_checkpoint,
+    random_target_tensors,
+    write_checkpoint,
+)
 from sparkspec.models.quant import quantize_fp4, quantize_fp8_block
 from sparkspec.models.weights import read_tensors
 from sparkspec.tokenizer import Tokenizer
@@ -318,12 +323,37 @@ def test_loaded_tiny_checkpoint_has_a_working_tokenizer(tiny_checkpoint):
                                       {"role": "user", "content": "Hi"},
                                       {"role": "assistant", "content": "Hello"},
                                       {"role": "user", "content": "Bye"}])
-    assert prompt == "<|begin_of_sentence|>Be brief.<|User|>Hi<|Assistant|>Hello<|end_of_sentence|><|User|>Bye<|Assistant|>"
+    assert prompt == ("<|begin_of_sentence|>Be brief.<|User|>Hi<|Assistant|>Hello<|end_of_sentence|>"
+                      "<|User|>Bye<|Assistant|>")
     ids = tok.encode(prompt)
-    assert ids[:2] == [0, 4] and ids[-1] == 5 and ids.count(1) == 1
+    assert ids[0] == 0 and ids.count(4) == 2 and ids[-1] == 5 and ids.count(1) == 1
     assert tok.decode(ids, skip_special_tokens=True) == "Be brief.HiHelloBye"
     with pytest.raises(ValueError, match="unknown role: tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_write_checkpoint_copies_the_tokenizer(tmp_path, tiny_checkpoint):
+    ck = load_checkpoint(tiny_checkpoint, device=DEVICE)
+    write_checkpoint(ck.model, ck.config, tmp_path, tokenizer_dir=tiny_checkpoint)
+    again = load_checkpoint(tmp_path, device=DEVICE)
+    assert again.tokenizer is not None and again.tokenizer.chat_template == ck.tokenizer.chat_template
+    assert again.tokenizer.encode("hello world") == ck.tokenizer.encode("hello world")
+
+
+def test_tokenizer_errors_name_the_file(tmp_path, tiny_checkpoint):
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tokenizer.json")) + ": tokenizer file not found"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((tiny_checkpoint / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+    with pytest.raises(ValueError, match="eos_token '<\\|nope\\|>' is not in the vocabulary"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|end_of_sentence|>"}}))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.eos_token_id == 1 and tok.bos_token_id is None
+    with pytest.raises(ValueError, match="has no chat_template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
 
 
 def test_tiny_checkpoint_generates_varied_tokens(tiny_checkpoint):

@@ -120,7 +120,7 @@ class CostTable:
         return {"key": self.key, "target": {str(r): pts for r, pts in self.target.items()}, "draft": self.draft}
 
     @classmethod
-    def from_json(cls, d: dict) -> "CostTable":
+    def from_json(cls, d: dict) -> CostTable:
         return cls({int(r): [tuple(p) for p in pts] for r, pts in d["target"].items()},
                    [tuple(p) for p in d.get("draft", [])], d.get("key", ""))
 
@@ -186,8 +186,14 @@ class VerificationBudget:
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
         a = survival(self.estimator.rates(self.num_spec_tokens))
-        ls = verify_lengths([a] * num_reqs, self.cost.steps_per_second(num_reqs), num_base_tokens, num_reqs)
-        return max(ls)
+        sps = self.cost.steps_per_second(num_reqs)  # includes the drafter's time
+        ls = verify_lengths([a] * num_reqs, sps, num_base_tokens, num_reqs)
+        if max(ls) == 0:
+            return 0
+        tau = num_reqs + sum(sum(a[:n]) for n in ls)
+        theta_draft = tau * sps(num_base_tokens + sum(ls))
+        theta_plain = num_reqs / max(self.cost.target_seconds(num_reqs, num_base_tokens), 1e-9)  # no drafter call
+        return max(ls) if theta_draft > theta_plain else 0
 
     def observe(self, num_verified: int, num_accepted: int) -> None:
         self.estimator.observe(num_verified, num_accepted)

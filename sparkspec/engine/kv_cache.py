@@ -93,7 +93,8 @@ def plan_kv_cache(cfg: ModelConfig, *, block_size: int = 16, max_num_seqs: int =
                   kv_cache_memory: int | None = None, memory_fraction: float | None = None, device: str = "cpu",
                   spec_method: str = "none", num_spec_tokens: int = 0) -> KVCachePlan:
     """Size the block pool. Precedence: an explicit byte budget (`--kv-cache-memory`), else a fraction of the
-    free memory (`memory_fraction`), else enough for `max_num_seqs` requests of `max_model_len` positions."""
+    free memory (`memory_fraction`), else enough for `max_num_seqs` requests of `max_model_len` positions,
+    capped at 90% of the free memory."""
     if block_size < 1:
         raise ValueError(f"block_size = {block_size}: expected a positive integer")
     per_token = cache_bytes_per_token(cfg)
@@ -110,8 +111,12 @@ def plan_kv_cache(cfg: ModelConfig, *, block_size: int = 16, max_num_seqs: int =
             raise ValueError(f"memory_fraction = {memory_fraction}: expected a number in (0, 1]")
         budget, source = int(available_memory_bytes(device) * memory_fraction), f"{memory_fraction:.0%} of free memory"
     else:
-        need = max_num_seqs * (-(-max_len // block_size) + blocks_per_seq)
-        budget, source = need * bytes_per_block, f"{max_num_seqs} sequences x {max_len} positions"
+        need = max_num_seqs * (-(-max_len // block_size) + blocks_per_seq) * bytes_per_block
+        cap = int(0.9 * available_memory_bytes(device))
+        if need <= cap:
+            budget, source = need, f"{max_num_seqs} sequences x {max_len} positions"
+        else:
+            budget, source = cap, "90% of free memory"
     num_blocks = budget // bytes_per_block
     if num_blocks < 1 + blocks_per_seq:
         raise ValueError(f"KV cache budget {budget} bytes holds {num_blocks} blocks of {bytes_per_block} bytes; "

@@ -39,15 +39,27 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
+    num_decode_rows: int = 0  # request-steps after the first token: plain decode rows + verify blocks (tau's denominator)
     num_spec_steps: int = 0  # request-steps with at least one verified draft
     num_drafted: int = 0
     num_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     num_drafter_skipped_steps: int = 0  # steps where the budget planned no drafts at all
 
+    def record_spec(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_spec_steps += 1
+        self.num_drafted += num_drafts
+        self.num_accepted += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
 
 class LLMEngine:
-    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, drafter_tensors=None):
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, drafter_tensors=None,
+                 proposer=None):
+        """`proposer`: a ready `sparkspec.spec.Proposer` to use instead of building `config.speculative`'s."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -59,10 +71,10 @@ class LLMEngine:
         self.runner = ModelRunner(model)
         self.spec = None
         num_lookahead = 0
-        if config.speculative != "none":
+        if config.speculative != "none" or proposer is not None:
             from sparkspec.engine.spec_runner import SpecRunner
 
-            self.spec = SpecRunner(self.runner, config, drafter_tensors or {})
+            self.spec = SpecRunner(self.runner, config, drafter_tensors or {}, proposer)
             num_lookahead = self.spec.num_spec_tokens
         device = "cpu" if self.runner.device.type == "cpu" else str(self.runner.device)
         self.kv_plan: KVCachePlan = plan_kv_cache(
@@ -133,6 +145,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        self.stats.num_decode_rows += sum(1 for it in sched.scheduled if it.samples and it.seq.output_ids)
         if self.spec is not None:
             new_tokens = self.spec.run(sched, self.append, self.stats)
         else:

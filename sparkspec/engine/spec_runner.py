@@ -11,6 +11,7 @@ this file decides who drafts how much and keeps the engine's bookkeeping (cache 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 
@@ -22,9 +23,10 @@ from sparkspec.engine.model_runner import ModelRunner
 from sparkspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from sparkspec.engine.sequence import Sequence
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec import RejectionSampler, build_proposer
+from sparkspec.spec import RejectionSampler, Verdict, build_proposer
 from sparkspec.spec.proposer import EMPTY_DRAFT, CommittedRows, Draft
 
+log = logging.getLogger("sparkspec.engine")
 PROBE_EVERY = 16  # when the budget plans no drafts, still draft once every this many steps to keep estimates fresh
 
 
@@ -47,11 +49,12 @@ def truncate_draft(d: Draft, n: int) -> Draft:
 
 
 class SpecRunner:
-    def __init__(self, runner: ModelRunner, config: EngineConfig, drafter_tensors: dict):
+    def __init__(self, runner: ModelRunner, config: EngineConfig, drafter_tensors: dict, proposer=None):
         self.runner = runner
         self.model = runner.model
         self.config = config
-        self.proposer = build_proposer(config.speculative, self.model, drafter_tensors, config.num_spec_tokens)
+        self.proposer = proposer or build_proposer(config.speculative, self.model, drafter_tensors,
+                                                   config.num_spec_tokens)
         self.num_spec_tokens = self.proposer.num_spec_tokens
         self.sampler = RejectionSampler()
         self.capture = {"tap_layers": self.proposer.tap_layers,
@@ -66,66 +69,70 @@ class SpecRunner:
             ) -> dict[Sequence, list[int]]:
         """Run the step and append produced tokens through `append` -> {seq: tokens produced this step}."""
         items = sched.scheduled
+        self.track(sched)
+        drafts = self.propose(items, stats)
+        out, spans, input_ids = self.runner.forward(items, [d.token_ids for d in drafts], **self.capture)
+        verdicts = self.verify(items, drafts, out.logits)
+        starts = [it.seq.num_cached_tokens for it in items]
+        committed, produced = self.commit(items, drafts, verdicts, spans, append, stats)
+        done = [it.seq for it in items if it.seq.is_finished]
+        if done:
+            self.proposer.finish(done)
+        keep = [i for i, it in enumerate(items) if not it.seq.is_finished]
+        if keep:  # the drafter only ever sees committed rows
+            self.proposer.observe(EngineCommittedRows(
+                seqs=[items[i].seq for i in keep], spans=[committed[i] for i in keep],
+                start_positions=[starts[i] for i in keep], input_ids=input_ids,
+                taps=out.taps, final_streams=out.final_streams))
+        return produced
+
+    def track(self, sched: SchedulerOutput) -> None:
+        """Drop drafter state of preempted requests; start it for requests (re)entering the batch."""
         if sched.preempted:
             self.proposer.finish(sched.preempted)
-        fresh = [it.seq for it in items if it.seq.drafter_state is None]
+        fresh = [it.seq for it in sched.scheduled if it.seq.drafter_state is None]
+        for it in sched.scheduled:
+            self.runner.prepare(it.seq)
         for seq in fresh:
-            self.runner.prepare(seq)
             seq.drafter_state = self.proposer.method
         if fresh:
             self.proposer.start(fresh)
-        for it in items:
-            self.runner.prepare(it.seq)
 
-        drafts = self.propose(items, stats)
-        out, spans, input_ids = self.runner.forward(items, [d.token_ids for d in drafts], **self.capture)
-
+    def verify(self, items: list[ScheduledSeq], drafts: list[Draft], logits: torch.Tensor) -> dict[int, Verdict]:
+        """Rejection-sample every item that samples (logits rows: its last chunk row, then its draft rows)."""
         sampling = [i for i, it in enumerate(items) if it.samples]
         logit_spans, off = [], 0
         for i in sampling:
             logit_spans.append((off, off + 1 + drafts[i].num_tokens))
             off += 1 + drafts[i].num_tokens
         seqs = [items[i].seq for i in sampling]
-        verdicts = self.sampler(out.logits, logit_spans, [drafts[i] for i in sampling], [s.params for s in seqs],
+        verdicts = self.sampler(logits, logit_spans, [drafts[i] for i in sampling], [s.params for s in seqs],
                                 [s.generator for s in seqs])
+        return dict(zip(sampling, verdicts))
 
-        produced: dict[Sequence, list[int]] = {}
-        committed: dict[int, tuple[int, int]] = {}
-        starts = [it.seq.num_cached_tokens for it in items]
+    def commit(self, items, drafts, verdicts, spans, append, stats):
+        """Advance caches by the chunk + accepted drafts, truncate rejected rows, append tokens.
+        -> (committed forward rows per item, {seq: tokens produced})."""
+        committed, produced = {}, {}
         for i, it in enumerate(items):
-            s, _ = spans[i]
+            seq, (s, _) = it.seq, spans[i]
+            seq.num_cached_tokens += it.num_tokens
             committed[i] = (s, s + it.num_tokens)
-            it.seq.num_cached_tokens += it.num_tokens
-        for i, v in zip(sampling, verdicts):
-            seq, num_drafts = items[i].seq, drafts[i].num_tokens
+            v = verdicts.get(i)
+            if v is None:
+                continue
             seq.num_cached_tokens += v.num_accepted
             seq.cache.truncate(seq.num_cached_tokens)  # roll back rejected draft rows
-            s, e = committed[i]
-            committed[i] = (s, e + v.num_accepted)
+            committed[i] = (s, s + it.num_tokens + v.num_accepted)
+            num_drafts = drafts[i].num_tokens
             if num_drafts:
                 seq.spec.record(num_drafts, v.num_accepted)
                 self.budget.observe(num_drafts, v.num_accepted)
                 if stats is not None:
-                    stats.num_spec_steps += 1
-                    stats.num_drafted += num_drafts
-                    stats.num_accepted += v.num_accepted
-                    if len(stats.accepted_per_position) < num_drafts:
-                        stats.accepted_per_position += [0] * (num_drafts - len(stats.accepted_per_position))
-                    for j in range(v.num_accepted):
-                        stats.accepted_per_position[j] += 1
+                    stats.record_spec(num_drafts, v.num_accepted)
             append(seq, v.token_ids)
             produced[seq] = v.token_ids
-
-        keep = [i for i, it in enumerate(items) if not it.seq.is_finished]
-        done = [it.seq for it in items if it.seq.is_finished]
-        if done:
-            self.proposer.finish(done)
-        if keep:
-            self.proposer.observe(EngineCommittedRows(
-                seqs=[items[i].seq for i in keep], spans=[committed[i] for i in keep],
-                start_positions=[starts[i] for i in keep], input_ids=input_ids,
-                taps=out.taps, final_streams=out.final_streams))
-        return produced
+        return committed, produced
 
     def propose(self, items: list[ScheduledSeq], stats=None) -> list[Draft]:
         """Drafts per item (EMPTY_DRAFT for prefill chunks), already cut to the verification budget."""
@@ -162,7 +169,12 @@ class SpecRunner:
         from pathlib import Path
 
         cache_dir = Path(self.config.cost_cache_dir) if self.config.cost_cache_dir else None
-        return load_or_measure(key, self.measure_costs, cache_dir)
+
+        def measure() -> CostTable:
+            log.info("measuring the step-cost table for adaptive verification (cached per machine)")
+            return self.measure_costs()
+
+        return load_or_measure(key, measure, cache_dir)
 
     def measure_costs(self) -> CostTable:
         """Target forward time vs (requests, verify tokens) and drafter time vs requests, at a short context."""

@@ -216,12 +216,14 @@ class DSparkDraftModel(nn.Module):
         if conf_name not in tensors:
             model.last.confidence_head = None
         params = dict(model.named_parameters())
+        if "mtp.0.main_proj.weight" not in tensors:
+            raise CheckpointError("DSpark drafter: missing tensor 'mtp.0.main_proj.weight'; the checkpoint has no "
+                                  "DSpark weights (write them with `sparkspec init --drafter dspark`)")
         missing = sorted(n for n in params if n not in tensors)
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise CheckpointError(f"DSpark drafter: missing tensor '{missing[0]}'{more}; the checkpoint has no "
-                                  f"DSpark weights for {model.num_layers} stages (write them with "
-                                  f"`sparkspec init --drafter dspark`)")
+            raise CheckpointError(f"DSpark drafter: missing tensor '{missing[0]}'{more} "
+                                  f"({model.num_layers} stages expected from the config)")
         with torch.no_grad():
             for name, p in params.items():
                 t = tensors[name]

@@ -77,6 +77,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
             raise RequestError("the engine is not running", status=503, type_="server_error",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    def default_tokens(prompt_ids: list[int]) -> int:
+        """max_tokens when the request gives none: the server default, capped by the room left in the context."""
+        return max(1, min(default_max_tokens, engine.engine.max_model_len - len(prompt_ids)))
+
     def usage(n_prompt: int, n_out: int) -> dict:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
@@ -152,7 +156,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
         check_model(req)
         prompt = req.single_prompt()
         prompt_ids = encode(prompt, add_bos=True, param="prompt")
-        params = req.sampling_params(default_max_tokens)
+        params = req.sampling_params(default_tokens(prompt_ids))
         admit(prompt_ids, params)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
@@ -179,7 +183,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
         prompt_ids = encode(text, add_bos=False, param="messages")
-        params = req.sampling_params(default_max_tokens)
+        params = req.sampling_params(default_tokens(prompt_ids))
         admit(prompt_ids, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         first = [True]

@@ -92,7 +92,7 @@ def cmd_serve(args) -> int:
           file=sys.stderr)
     app = create_app(AsyncLLMEngine(engine), name, default_max_tokens=args.default_max_tokens)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    _Server(config).run()
+    _server_class()(config).run()
     print("sparkspec serve: shut down cleanly", file=sys.stderr)
     return 0
 
@@ -114,10 +114,6 @@ def _server_class():
                     signal.signal(s, handler)
 
     return Server
-
-
-def _Server(config):
-    return _server_class()(config)
 
 
 def main(argv: list[str] | None = None) -> int:

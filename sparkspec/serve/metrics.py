@@ -30,6 +30,8 @@ class EngineCollector:
             ("sparkspec_prompt_tokens", "Prompt tokens of admitted requests", st.num_prompt_tokens),
             ("sparkspec_generation_tokens", "Generated tokens", st.num_generation_tokens),
             ("sparkspec_engine_steps", "Engine steps", st.num_steps),
+            ("sparkspec_decode_rows", "Request-steps after the first token (plain rows + verify blocks)",
+             st.num_decode_rows),
             ("sparkspec_spec_decode_num_drafts", "Request-steps that verified at least one draft", st.num_spec_steps),
             ("sparkspec_spec_decode_num_draft_tokens", "Draft tokens verified", st.num_drafted),
             ("sparkspec_spec_decode_num_accepted_tokens", "Draft tokens accepted", st.num_accepted),

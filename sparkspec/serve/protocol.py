@@ -79,7 +79,7 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int = 1
     suffix: str | None = None
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # None: the server default (OpenAI's is 16)
 
     NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "echo": False, "best_of": 1, "suffix": (None, "")}
 

@@ -44,6 +44,18 @@ class SpeculativeGenerator(Generator):
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        seqs = self.start(prompts, params)
+        while True:
+            active = [s for s in seqs if not s.finished]
+            if not active:
+                break
+            self.spec_step(active)
+        self.finish(seqs)
+        return seqs
+
+    @torch.inference_mode()
+    def start(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """New requests: prefill their prompts and let the drafter observe them (each has one output token)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         seqs = self.new_sequences(prompts, params)
@@ -53,18 +65,17 @@ class SpeculativeGenerator(Generator):
         for group, spans, out in self.prefill(seqs, **self.capture):
             ids = torch.tensor([t for s in group for t in s.prompt_ids], device=self.device)
             self.observe(group, spans, [0] * len(group), ids, out)
-        while True:
-            active = [s for s in seqs if not s.finished]
-            if not active:
-                break
-            self.spec_step(active)
+        return seqs
+
+    def finish(self, seqs: list[Sequence]) -> None:
         self.proposer.finish(seqs)
         self.finalize(seqs)
         self.spec_metrics = SpecMetrics.aggregate([s.spec_metrics for s in seqs], self.proposer.method,
                                                   self.num_spec_tokens)
-        return seqs
 
+    @torch.inference_mode()
     def spec_step(self, seqs: list[Sequence]) -> None:
+        """One propose -> verify -> commit / roll back -> observe step for unfinished requests."""
         budget = [max(0, min(self.num_spec_tokens, s.params.max_tokens - len(s.output_ids) - 1)) for s in seqs]
         drafts = self.proposer.propose(seqs, budget)
         drafts = [d if d.num_tokens <= k else Draft(d.token_ids[:k], None if d.probs is None else d.probs[:k],

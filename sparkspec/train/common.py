@@ -135,9 +135,10 @@ class RunLog:
         self.entries.append({"step": step, "time_s": round(elapsed, 2), **{k: round(float(v), 5)
                                                                             for k, v in values.items()}})
 
-    def summary(self, window: int = 20) -> dict:
+    def summary(self, window: int = 5) -> dict:
         if not self.entries:
             return {}
+        window = max(1, min(window, len(self.entries) // 4))
         keys = [k for k in self.entries[-1] if k not in ("step", "time_s")]
         head, tail = self.entries[:window], self.entries[-window:]
         return {"steps": self.entries[-1]["step"], "time_s": self.entries[-1]["time_s"],

@@ -1,9 +1,13 @@
 """Fused mHC kernels (Triton): mhc_pre (RMS + mixing matmul + sigmoids + Sinkhorn + stream collapse),
 mhc_post (stream update) and hc_head (final collapse).
 
-Legend: T tokens, n hc streams (NP = next power of two), H hidden, M = (2+n)·n mixes (BLOCK_M >= 16).
-mhc_pre / hc_head: one program owns BLOCK_T tokens; pass 1 streams x·fnᵀ through `tl.dot` (exact fp32)
-while summing x² for the weight-free RMS; the n×n Sinkhorn runs in registers; pass 2 collapses the streams.
+Legend: T tokens, n hc streams (NP = next power of two), H hidden, K = n·H, M = (2+n)·n mixes (BLOCK_M >= 16).
+mhc_pre / hc_head run in two launches:
+  1. `_mix_partial_kernel`, grid (token blocks, SPLIT): each program streams one K chunk of x·fnᵀ through
+     `tl.dot` (exact fp32) and Σx², writing fp32 partials — split-K, so a few tokens still fill the GPU;
+  2. a finish kernel, grid (token blocks, H chunks): sums the partials in a fixed order (deterministic),
+     applies the weight-free RMS, the sigmoids and the n×n Sinkhorn in registers (recomputed per H chunk:
+     a few hundred flops per token), and collapses its H chunk of the streams.
 """
 
 from __future__ import annotations
@@ -17,35 +21,55 @@ from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter
 
 
 @triton.jit
-def _rms_mix(
-    x_ptr,  # [T, n*H] (row stride stride_xt, unit inner stride)
-    fn_ptr,  # [M, n*H] fp32
-    t0,
+def _mix_partial_kernel(
+    x_ptr,  # [T, K] (row stride stride_xt, unit inner stride)
+    fn_ptr,  # [M, K] fp32
+    part_ptr,  # [SPLIT, T, BLOCK_M] fp32 partial x·fnᵀ
+    sumsq_ptr,  # [SPLIT, T] fp32 partial Σx²
     num_tokens,
     num_mix,
-    width,  # n*H
-    rms_eps,
+    width,  # K
+    chunk,  # K columns per split (a multiple of BLOCK_K)
     stride_xt,
     stride_fm,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """mix[t, m] = rmsnorm_noweight(x[t]) · fn[m]  -> [BLOCK_T, BLOCK_M] fp32 (0 beyond num_mix)."""
-    toks = t0 + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mixes = tl.arange(0, BLOCK_M)
     tok_ok = toks < num_tokens
+    k_lo = split * chunk
+    k_hi = tl.minimum(k_lo + chunk, width)
     acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, width, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < width
+        k_ok = ks < k_hi
         x = tl.load(x_ptr + toks[:, None].to(tl.int64) * stride_xt + ks[None, :],
                     mask=tok_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_K]
         w = tl.load(fn_ptr + mixes[:, None] * stride_fm + ks[None, :],
                     mask=(mixes[:, None] < num_mix) & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         sumsq += tl.sum(x * x, axis=1)
+    row = split.to(tl.int64) * num_tokens + toks
+    tl.store(part_ptr + row[:, None] * BLOCK_M + mixes[None, :], acc, mask=tok_ok[:, None])
+    tl.store(sumsq_ptr + row, sumsq, mask=tok_ok)
+
+
+@triton.jit
+def _mix_total(part_ptr, sumsq_ptr, toks, num_tokens, num_splits, width, rms_eps,
+               BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Σ over splits (fixed order) · rsqrt(mean x² + eps)  -> mix [BLOCK_T, BLOCK_M] fp32."""
+    mixes = tl.arange(0, BLOCK_M)
+    tok_ok = toks < num_tokens
+    acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for split in range(0, num_splits):
+        row = split * num_tokens + toks.to(tl.int64)
+        acc += tl.load(part_ptr + row[:, None] * BLOCK_M + mixes[None, :], mask=tok_ok[:, None], other=0.0)
+        sumsq += tl.load(sumsq_ptr + row, mask=tok_ok, other=0.0)
     return acc * tl.rsqrt(sumsq / width + rms_eps)[:, None]
 
 
@@ -59,39 +83,26 @@ def _take(mix, start, count, BLOCK_M: tl.constexpr, NP: tl.constexpr):
 
 
 @triton.jit
-def _collapse(
-    x_ptr,  # [T, n, H]
-    out_ptr,  # [T, H]
-    pre,  # [BLOCK_T, NP] fp32, 0 for padded streams
-    t0,
-    num_tokens,
-    num_streams,
-    hidden,
-    stride_xt,
-    stride_xn,
-    stride_ot,
-    BLOCK_T: tl.constexpr,
-    NP: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
-):
-    """out[t] = Σ_i pre[t, i] · x[t, i]  (fp32, stored in out's dtype)."""
-    toks = t0 + tl.arange(0, BLOCK_T)
+def _collapse_chunk(x_ptr, out_ptr, pre, toks, num_tokens, num_streams, hidden,
+                    NP: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """out[t, chunk] = Σ_i pre[t, i] · x[t, i, chunk] for this program's H chunk (x, out contiguous)."""
+    hs = tl.program_id(1) * BLOCK_HD + tl.arange(0, BLOCK_HD)
     streams = tl.arange(0, NP)
     tok_ok = toks < num_tokens
-    base = x_ptr + toks[:, None, None].to(tl.int64) * stride_xt + streams[None, :, None] * stride_xn
-    for h0 in range(0, hidden, BLOCK_HD):
-        hs = h0 + tl.arange(0, BLOCK_HD)
-        mask = tok_ok[:, None, None] & (streams[None, :, None] < num_streams) & (hs[None, None, :] < hidden)
-        x = tl.load(base + hs[None, None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, NP, BLOCK_HD]
-        y = tl.sum(pre[:, :, None] * x, axis=1)
-        tl.store(out_ptr + toks[:, None].to(tl.int64) * stride_ot + hs[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=tok_ok[:, None] & (hs[None, :] < hidden))
+    t64 = toks.to(tl.int64)
+    mask = tok_ok[:, None, None] & (streams[None, :, None] < num_streams) & (hs[None, None, :] < hidden)
+    x = tl.load(x_ptr + t64[:, None, None] * num_streams * hidden + streams[None, :, None] * hidden
+                + hs[None, None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, NP, BLOCK_HD]
+    y = tl.sum(pre[:, :, None] * x, axis=1)
+    tl.store(out_ptr + t64[:, None] * hidden + hs[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=tok_ok[:, None] & (hs[None, :] < hidden))
 
 
 @triton.jit
-def _mhc_pre_kernel(
+def _mhc_pre_finish_kernel(
     x_ptr,  # [T, n, H] contiguous
-    fn_ptr,  # [M, n*H] fp32
+    part_ptr,  # [SPLIT, T, BLOCK_M] fp32
+    sumsq_ptr,  # [SPLIT, T] fp32
     scale_ptr,  # [3] fp32 (pre, post, comb)
     base_ptr,  # [M] fp32
     out_ptr,  # [T, H] x.dtype   layer input
@@ -100,22 +111,19 @@ def _mhc_pre_kernel(
     num_tokens,
     num_streams,
     hidden,
+    num_splits,
     rms_eps,
     hc_eps,
     sinkhorn_iters,
-    stride_fm,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_HD: tl.constexpr,
     NP: tl.constexpr,
 ):
     n = num_streams
-    t0 = tl.program_id(0) * BLOCK_T
-    toks = t0 + tl.arange(0, BLOCK_T)
-    tok_ok = toks < num_tokens
-    mix = _rms_mix(x_ptr, fn_ptr, t0, num_tokens, (2 + n) * n, n * hidden, rms_eps, n * hidden, stride_fm,
-                   BLOCK_T, BLOCK_M, BLOCK_K)  # [BLOCK_T, BLOCK_M]
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    num_owned = tl.where(tl.program_id(1) == 0, num_tokens, 0)  # the first H chunk stores post and comb
+    mix = _mix_total(part_ptr, sumsq_ptr, toks, num_tokens, num_splits, n * hidden, rms_eps, BLOCK_T, BLOCK_M)
     s_pre = tl.load(scale_ptr + 0)
     s_post = tl.load(scale_ptr + 1)
     s_comb = tl.load(scale_ptr + 2)
@@ -127,7 +135,8 @@ def _mhc_pre_kernel(
     pre = tl.where(j_ok[None, :], pre, 0.0)  # [BLOCK_T, NP]
     post_b = tl.load(base_ptr + n + j, mask=j_ok, other=0.0)
     post = 2.0 * tl.sigmoid(_take(mix, n, n, BLOCK_M, NP) * s_post + post_b[None, :])
-    tl.store(post_ptr + toks[:, None].to(tl.int64) * n + j[None, :], post, mask=tok_ok[:, None] & j_ok[None, :])
+    tl.store(post_ptr + toks[:, None].to(tl.int64) * n + j[None, :], post,
+             mask=(toks < num_owned)[:, None] & j_ok[None, :])
 
     # comb[t, a, b] = mix[t, 2n + a·n + b]; flat column k = a·NP + b of an [NP·NP] block
     k = tl.arange(0, NP * NP)
@@ -140,7 +149,9 @@ def _mhc_pre_kernel(
     comb_b = tl.load(base_ptr + 2 * n + a_k * n + b_k, mask=k_ok, other=0.0)
     logits = tl.where(k_ok[None, :], comb_w * s_comb + comb_b[None, :], float("-inf"))
     logits = tl.reshape(logits, [BLOCK_T, NP, NP])
-    valid = tl.reshape(k_ok, [NP, NP])[None, :, :]
+    a3 = tl.arange(0, NP)[None, :, None]
+    b3 = tl.arange(0, NP)[None, None, :]
+    valid = (a3 < n) & (b3 < n)  # [1, NP, NP]
     row_max = tl.max(logits, axis=2)
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
     e = tl.exp(logits - row_max[:, :, None])
@@ -151,43 +162,39 @@ def _mhc_pre_kernel(
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    a3 = tl.arange(0, NP)[None, :, None]
-    b3 = tl.arange(0, NP)[None, None, :]
     tl.store(comb_ptr + toks[:, None, None].to(tl.int64) * n * n + a3 * n + b3, comb,
-             mask=tok_ok[:, None, None] & valid)
+             mask=(toks < num_owned)[:, None, None] & valid)
 
-    _collapse(x_ptr, out_ptr, pre, t0, num_tokens, n, hidden, n * hidden, hidden, hidden,
-              BLOCK_T, NP, BLOCK_HD)
+    _collapse_chunk(x_ptr, out_ptr, pre, toks, num_tokens, n, hidden, NP, BLOCK_HD)
 
 
 @triton.jit
-def _hc_head_kernel(
+def _hc_head_finish_kernel(
     x_ptr,  # [T, n, H] contiguous
-    fn_ptr,  # [n, n*H] fp32
+    part_ptr,  # [SPLIT, T, BLOCK_M] fp32
+    sumsq_ptr,  # [SPLIT, T] fp32
     scale_ptr,  # [1] fp32
     base_ptr,  # [n] fp32
     out_ptr,  # [T, H] x.dtype
     num_tokens,
     num_streams,
     hidden,
+    num_splits,
     rms_eps,
     hc_eps,
-    stride_fm,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_HD: tl.constexpr,
     NP: tl.constexpr,
 ):
     n = num_streams
-    t0 = tl.program_id(0) * BLOCK_T
-    mix = _rms_mix(x_ptr, fn_ptr, t0, num_tokens, n, n * hidden, rms_eps, n * hidden, stride_fm,
-                   BLOCK_T, BLOCK_M, BLOCK_K)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mix = _mix_total(part_ptr, sumsq_ptr, toks, num_tokens, num_splits, n * hidden, rms_eps, BLOCK_T, BLOCK_M)
     j = tl.arange(0, NP)
     base = tl.load(base_ptr + j, mask=j < n, other=0.0)
     pre = tl.sigmoid(_take(mix, 0, n, BLOCK_M, NP) * tl.load(scale_ptr) + base[None, :]) + hc_eps
     pre = tl.where((j < n)[None, :], pre, 0.0)
-    _collapse(x_ptr, out_ptr, pre, t0, num_tokens, n, hidden, n * hidden, hidden, hidden, BLOCK_T, NP, BLOCK_HD)
+    _collapse_chunk(x_ptr, out_ptr, pre, toks, num_tokens, n, hidden, NP, BLOCK_HD)
 
 
 @triton.jit
@@ -226,10 +233,35 @@ def _mhc_post_kernel(
              mask=i_ok[:, None] & h_ok[None, :])
 
 
-def _mix_blocks(x: torch.Tensor, num_mix: int) -> dict:
+_MIX_BLOCK_T = 16  # tokens per split-K program (tl.dot needs >= 16)
+_FINISH_BLOCK_T = 8  # tokens per finish program
+
+
+def _mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Launch the split-K pass -> (partials [SPLIT, T, BLOCK_M], Σx² partials [SPLIT, T], SPLIT, BLOCK_M)."""
+    T, n, H = x.shape
+    width, num_mix = n * H, fn.shape[0]
     interp = on_interpreter(x)
-    return dict(BLOCK_T=16, BLOCK_M=max(next_pow2(num_mix), 16), BLOCK_K=64 if interp else 128,
-                BLOCK_HD=64 if interp else 256, NP=next_pow2(x.shape[1]))
+    block_k = 64 if interp else 128
+    block_m = max(next_pow2(num_mix), 16)
+    token_blocks = triton.cdiv(T, _MIX_BLOCK_T)
+    target_programs = 4 if interp else 256  # ~2 waves of a large GPU; the interpreter just exercises the split
+    splits = max(1, min(triton.cdiv(width, block_k), triton.cdiv(target_programs, token_blocks)))
+    chunk = triton.cdiv(triton.cdiv(width, splits), block_k) * block_k
+    splits = triton.cdiv(width, chunk)
+    part = torch.empty((splits, T, block_m), dtype=torch.float32, device=x.device)
+    sumsq = torch.empty((splits, T), dtype=torch.float32, device=x.device)
+    _mix_partial_kernel[(token_blocks, splits)](
+        x, fn, part, sumsq, T, num_mix, width, chunk, width, fn.stride(0),
+        BLOCK_T=_MIX_BLOCK_T, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+    )
+    return part, sumsq, splits, block_m
+
+
+def _finish_grid(x: torch.Tensor) -> tuple[tuple[int, int], int]:
+    T, _, H = x.shape
+    block_hd = min(64 if on_interpreter(x) else 256, max(next_pow2(H), 16))
+    return (triton.cdiv(T, _FINISH_BLOCK_T), triton.cdiv(H, block_hd)), block_hd
 
 
 def _check_mix(name: str, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, num_mix: int) -> None:
@@ -262,11 +294,12 @@ def mhc_pre(
     comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
     if T == 0:
         return out, post, comb
-    fn = fn.float().contiguous()
-    blocks = _mix_blocks(x, (2 + n) * n)
-    _mhc_pre_kernel[(triton.cdiv(T, blocks["BLOCK_T"]),)](
-        x, fn, scale.float().contiguous(), base.float().contiguous(), out, post, comb,
-        T, n, H, float(rms_eps), float(hc_eps), int(sinkhorn_iters), fn.stride(0), **blocks, num_warps=4,
+    part, sumsq, splits, block_m = _mixes(x, fn.float().contiguous())
+    grid, block_hd = _finish_grid(x)
+    _mhc_pre_finish_kernel[grid](
+        x, part, sumsq, scale.float().contiguous(), base.float().contiguous(), out, post, comb,
+        T, n, H, splits, float(rms_eps), float(hc_eps), int(sinkhorn_iters),
+        BLOCK_T=_FINISH_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n), num_warps=4,
     )
     return out, post, comb
 
@@ -288,11 +321,12 @@ def hc_head(
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    fn = fn.float().contiguous()
-    blocks = _mix_blocks(x, n)
-    _hc_head_kernel[(triton.cdiv(T, blocks["BLOCK_T"]),)](
-        x, fn, scale.float().contiguous(), base.float().contiguous(), out,
-        T, n, H, float(rms_eps), float(hc_eps), fn.stride(0), **blocks, num_warps=4,
+    part, sumsq, splits, block_m = _mixes(x, fn.float().contiguous())
+    grid, block_hd = _finish_grid(x)
+    _hc_head_finish_kernel[grid](
+        x, part, sumsq, scale.float().contiguous(), base.float().contiguous(), out,
+        T, n, H, splits, float(rms_eps), float(hc_eps),
+        BLOCK_T=_FINISH_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n), num_warps=4,
     )
     return out
 

@@ -1,0 +1,16 @@
+"""`sparkspec bench serve | offline`."""
+
+from __future__ import annotations
+
+import argparse
+
+from sparkspec.bench.offline import add_offline_parser
+from sparkspec.bench.serve import add_serve_bench_parser
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="throughput / latency benchmarks (serve: against a server; offline)")
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    add_serve_bench_parser(sub)
+    add_offline_parser(sub)
+    return p

@@ -1,0 +1,108 @@
+"""Benchmark bookkeeping shared by `bench offline` and `bench serve`: per-request timings, the summary row,
+the printed table, JSON and the throughput-vs-concurrency plot.
+
+Definitions (per concurrency level, one speculative setting):
+  * tok/s total     output tokens of all requests / wall time of the level
+  * tok/s per user  mean over requests of (output tokens - 1) / (finish - first token) = 1 / TPOT of the request
+  * TTFT            request sent -> first token;  TPOT  (finish - first token) / (output tokens - 1)
+  * tau             mean tokens per verify step of a request, incl. the bonus token (1.0 without speculation)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class RequestTiming:
+    start: float
+    first_token: float | None
+    finish: float
+    num_output_tokens: int
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.num_output_tokens - 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def summarize(label: str, concurrency: int, timings: list[RequestTiming], duration: float,
+              spec_steps: int = 0, accepted: int = 0, drafted: int = 0) -> dict:
+    tokens = sum(t.num_output_tokens for t in timings)
+    ttft = [t.ttft for t in timings if t.ttft is not None]
+    tpot = [t.tpot for t in timings if t.tpot is not None]
+    per_user = [1.0 / x for x in tpot if x > 0]
+    return {
+        "setting": label, "concurrency": concurrency, "num_requests": len(timings), "duration_s": round(duration, 3),
+        "output_tokens": tokens,
+        "tok_s_total": round(tokens / duration, 2) if duration > 0 else 0.0,
+        "tok_s_per_user": round(sum(per_user) / len(per_user), 2) if per_user else 0.0,
+        "ttft_ms_p50": round(1000 * percentile(ttft, 50), 2), "ttft_ms_p99": round(1000 * percentile(ttft, 99), 2),
+        "tpot_ms_p50": round(1000 * percentile(tpot, 50), 2), "tpot_ms_p99": round(1000 * percentile(tpot, 99), 2),
+        "tau": round(1 + accepted / spec_steps, 3) if spec_steps else 1.0,
+        "drafted": drafted, "accepted": accepted,
+    }
+
+
+COLUMNS = [("setting", "setting", "{}"), ("concurrency", "conc", "{}"), ("tok_s_total", "tok/s", "{:.1f}"),
+           ("tok_s_per_user", "tok/s/user", "{:.1f}"), ("ttft_ms_p50", "TTFT p50", "{:.1f}"),
+           ("ttft_ms_p99", "TTFT p99", "{:.1f}"), ("tpot_ms_p50", "TPOT p50", "{:.1f}"),
+           ("tpot_ms_p99", "TPOT p99", "{:.1f}"), ("tau", "tau", "{:.2f}")]
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table (times in ms)."""
+    head = "| " + " | ".join(h for _, h, _ in COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    lines = [head, sep]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, rows: list[dict], meta: dict, append: bool = False) -> None:
+    path = Path(path)
+    old = []
+    if append and path.is_file():
+        old = json.loads(path.read_text()).get("results", [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "results": old + rows}, indent=2) + "\n")
+
+
+def plot(rows: list[dict], path: str | Path, title: str = "throughput vs concurrency") -> None:
+    """PNG: total output tok/s vs concurrency, one line per setting (log-2 x axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        pts = sorted((r["concurrency"], r["tok_s_total"]) for r in rows if r["setting"] == setting)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=setting)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens / s (total)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

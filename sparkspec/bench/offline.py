@@ -1,0 +1,142 @@
+"""`sparkspec bench offline`: the engine in-process, a closed loop of `c` requests in flight per concurrency level,
+fixed output length (EOS ignored), one engine per speculative setting (`none`, `dspark:fixed`, `dspark:adaptive`,
+`mtp:fixed:2`, ...). Prints the table, writes JSON, and with `--plot` a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+from sparkspec.bench.common import RequestTiming, format_table, plot, summarize, write_json
+from sparkspec.bench.prompts import load_prompts
+
+
+@dataclass
+class Setting:
+    method: str
+    budget: str = "fixed"
+    num_spec_tokens: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.method == "none":
+            return "none"
+        k = "" if self.num_spec_tokens is None else f" k={self.num_spec_tokens}"
+        return f"{self.method} {self.budget}{k}"
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        """'none' | 'METHOD[:fixed|adaptive][:K]'."""
+        parts = text.strip().split(":")
+        method = parts[0]
+        if method not in ("none", "dspark", "mtp", "ngram"):
+            raise ValueError(f"setting {text!r}: method must be none, dspark, mtp or ngram")
+        budget = parts[1] if len(parts) > 1 and parts[1] else "fixed"
+        if budget not in ("fixed", "adaptive"):
+            raise ValueError(f"setting {text!r}: budget must be fixed or adaptive")
+        k = None
+        if len(parts) > 2:
+            try:
+                k = int(parts[2])
+            except ValueError:
+                raise ValueError(f"setting {text!r}: k must be an integer") from None
+        return cls(method, budget, k)
+
+
+def run_level(engine, prompt_ids: list[list[int]], concurrency: int, num_requests: int, params) -> dict:
+    """Closed loop: keep `concurrency` requests in the engine until `num_requests` have finished."""
+    st = engine.stats
+    before = (st.num_decode_rows, st.num_accepted, st.num_drafted)
+    pending = [prompt_ids[i % len(prompt_ids)] for i in range(num_requests)]
+    inflight, timings = {}, []
+    t0 = time.perf_counter()
+    while pending or inflight:
+        while pending and len(inflight) < concurrency:
+            seq = engine.add_request(pending.pop(0), params)
+            inflight[seq.request_id] = seq
+        for out in engine.step():
+            if out.finished:
+                seq = inflight.pop(out.request_id)
+                timings.append(RequestTiming(seq.arrival_time, seq.first_token_time, seq.finish_time,
+                                             len(out.token_ids)))
+    duration = time.perf_counter() - t0
+    rows, accepted, drafted = (st.num_decode_rows - before[0], st.num_accepted - before[1], st.num_drafted - before[2])
+    return {"timings": timings, "duration": duration, "decode_rows": rows, "accepted": accepted, "drafted": drafted}
+
+
+def run_offline(args) -> list[dict]:
+    import torch
+
+    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.engine.config import EngineConfig
+    from sparkspec.engine.llm_engine import LLMEngine
+    from sparkspec.sampling_params import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = [Setting.parse(s) for s in args.settings.split(",")]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    ckpt = load_checkpoint(args.model, device=args.device, dtype=args.dtype)
+    if ckpt.tokenizer is None:
+        raise ValueError(f"{args.model}: the benchmark needs a tokenizer")
+    texts = load_prompts(args.dataset or None, num=max(args.num_prompts, 1))
+    tok = ckpt.tokenizer
+    limit = args.max_prompt_tokens
+    prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))[-limit:] for t in texts]
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    rows = []
+    for setting in settings:
+        config = EngineConfig(max_num_seqs=max(concurrencies), max_num_batched_tokens=args.max_num_batched_tokens,
+                              speculative=setting.method, spec_budget=setting.budget,
+                              num_spec_tokens=setting.num_spec_tokens, max_waiting=1 << 20)
+        t0 = time.perf_counter()
+        engine = LLMEngine(ckpt.model, tok, config, ckpt.drafter_tensors)
+        startup = time.perf_counter() - t0
+        engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        for c in concurrencies:
+            n = max(c * args.requests_per_client, args.min_requests)
+            r = run_level(engine, prompt_ids, c, n, params)
+            row = summarize(setting.label, c, r["timings"], r["duration"], r["decode_rows"], r["accepted"],
+                            r["drafted"])
+            row["engine_startup_s"] = round(startup, 2)
+            rows.append(row)
+            print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}",
+                  file=sys.stderr)
+    return rows
+
+
+def add_offline_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("offline", help="in-process engine throughput vs concurrency, per speculative setting")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--settings", default="none,dspark:fixed,dspark:adaptive",
+                   help="comma-separated: none | METHOD[:fixed|adaptive][:K] (METHOD = dspark, mtp, ngram)")
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (EOS ignored)")
+    p.add_argument("--requests-per-client", type=int, default=2, help="requests per level = c x this")
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="keep the last N prompt tokens")
+    p.add_argument("--dataset", action="append", help="JSONL prompt file(s) (default: ../shared/data/eval/*.jsonl, "
+                                                      "else the built-in prompts)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", default="bench_offline.json", help="where to write the results")
+    p.add_argument("--plot", default=None, help="PNG path for throughput vs concurrency")
+    p.set_defaults(func=cmd_offline)
+    return p
+
+
+def cmd_offline(args) -> int:
+    rows = run_offline(args)
+    print(format_table(rows))
+    meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
+            "temperature": args.temperature}
+    write_json(args.json, rows, meta)
+    if args.plot:
+        plot(rows, args.plot, title=f"offline, output {args.output_len} tokens")
+    return 0

@@ -1,0 +1,147 @@
+"""`sparkspec train mtp`: train the classic MTP layer(s) of a target on the same regenerated data and with the
+same distillation objective as DSpark (0.1·CE + 0.9·‖p_mtp − p_target‖₁, no confidence head), so the two
+drafters differ only in architecture.
+
+Rows (see `sparkspec.models.mtp`): the MTP row at position i reads the target's final streams at i and the token
+x[i+1], and predicts x[i+2]; its target distribution is the target's at row i+1. Drafting k > num_layers tokens
+reuses the last layer on its own output, so training unrolls `unroll` steps: step j's row i reads step j-1's
+output at row i-1 and attends to step j-1's K=V rows of earlier positions (what `MTPProposer` does when
+drafting), with loss weight exp(-j/4) like DSpark's slot weights.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sparkspec.models.mtp import MTPDraftModel, init_mtp_tensors
+from sparkspec.train import common
+from sparkspec.train.dspark import ALPHA_CE, ALPHA_L1, LOSS_DECAY
+from sparkspec.train.features import Sequences, TargetFeatures
+
+
+def mtp_first_stage(cfg) -> int:
+    """MTP layers follow the DSpark stages when the checkpoint has both."""
+    return cfg.num_dspark_layers if cfg.has_dspark else 0
+
+
+def init_mtp(cfg, seed: int) -> MTPDraftModel:
+    first = mtp_first_stage(cfg)
+    tensors = init_mtp_tensors(cfg, torch.Generator().manual_seed(seed), first)
+    for name, t in tensors.items():
+        if name.endswith(("attn.wo_b.weight", ".w2.weight")):
+            t.mul_(1.0 / math.sqrt(2))
+    return MTPDraftModel.from_tensors(cfg, tensors)
+
+
+def mtp_loss(model: MTPDraftModel, target, feats: TargetFeatures, seqs: Sequences, seq_ids: list[int],
+             dev: torch.device, unroll: int = 2) -> dict[str, torch.Tensor]:
+    rows, positions, next_ids, labels, trow, mask, spans = [], [], [], [], [], [], []
+    off = 0
+    for s in seq_ids:
+        lo, hi = seqs.span(s)
+        n, p = hi - lo, int(seqs.prompt_lens[s])
+        i = torch.arange(n - 1)  # rows 0..n-2 (each needs x[i+1])
+        rows.append(lo + i)
+        positions.append(i)
+        next_ids.append(seqs.ids[lo + 1 : hi])
+        lab = torch.full((n - 1,), -1, dtype=torch.long)
+        lab[: n - 2] = seqs.ids[lo + 2 : hi]
+        labels.append(lab)
+        trow.append(lo + (i + 1).clamp(max=n - 1))
+        mask.append((i + 2 < n) & (i + 2 >= p))  # supervise answer tokens only
+        spans.append((off, off + n - 1))
+        off += n - 1
+    rows, positions, next_ids = torch.cat(rows).to(dev), torch.cat(positions).to(dev), torch.cat(next_ids).to(dev)
+    labels, trow, mask = torch.cat(labels).to(dev), torch.cat(trow).to(dev), torch.cat(mask).to(dev)
+    with torch.no_grad():
+        p_t = torch.softmax(target.logits_from_hidden(feats.hidden[trow]).float(), dim=-1)
+    D = target.cfg.head_dim
+    empty = [(torch.zeros(0, D, device=dev), torch.zeros(0, dtype=torch.long, device=dev)) for _ in spans]
+    prev = feats.streams[rows].float()
+    totals = {"ce": 0.0, "l1": 0.0, "accept": 0.0}
+    wsum = 0.0
+    pools = empty
+    for j in range(unroll):
+        out, kv = model.forward_rows(j, target.embed, prev, next_ids, positions, pools, spans)
+        logp = torch.log_softmax(model.logits(j, out, target.norm, target.head).float(), dim=-1)
+        m = mask.float()
+        denom = m.sum().clamp(min=1)
+        l1 = ((logp.exp() - p_t).abs().sum(-1) * m).sum() / denom
+        ce = (-logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * m).sum() / denom
+        w = math.exp(-j / LOSS_DECAY)
+        totals["ce"] = totals["ce"] + w * ce
+        totals["l1"] = totals["l1"] + w * l1
+        totals["accept"] = totals["accept"] + w * (1 - 0.5 * l1.detach())
+        wsum += w
+        # next step: row i reads this step's output at row i-1 (zeros at each sequence's first row) and the
+        # K=V rows of positions < i (shifted by one so the causal window stops at i-1)
+        prev = torch.cat([torch.cat([torch.zeros_like(out[s : s + 1]), out[s : e - 1]]) for s, e in spans])
+        pools = [(kv[s:e], positions[s:e] + 1) for s, e in spans]
+    terms = {k: v / wsum for k, v in totals.items()}
+    terms["loss"] = ALPHA_CE * terms["ce"] + ALPHA_L1 * terms["l1"]
+    return terms
+
+
+def train_mtp(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes: float | None = None,
+              batch_size: int = 16, max_len: int = 640, lr: float = 1e-3, seed: int = 0, device: str | None = None,
+              save_every: int = 500, unroll: int = 2) -> dict:
+    from sparkspec.train.features import compute_features, load_frozen_target, load_sequences, save_drafter
+
+    common.use_native_ops()
+    dev = common.pick_device(device)
+    gen = common.seed_everything(seed)
+    ck = load_frozen_target(Path(model_dir), dev)
+    cfg, target = ck.config, ck.model
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError("config field 'num_nextn_predict_layers' = 0: the checkpoint declares no MTP layer")
+    seqs = load_sequences(Path(data), max_len)
+    feats = compute_features(target, seqs, (), with_streams=True)
+    model = init_mtp(cfg, seed).to(dev).train()
+    opt = common.adamw(model.parameters(), lr)
+    log, step, elapsed_before = common.RunLog(), 0, 0.0
+    state = common.load_state(Path(out_dir) / "mtp_state")
+    if state is not None:
+        model.load_state_dict(state["params"])
+        opt.load_state_dict(state["opt"])
+        step, elapsed_before, log.entries = state["step"], state["elapsed"], state["log"]
+    budget = common.Budget(steps, minutes, elapsed_before=elapsed_before)
+    bar = common.progress_bar(steps, "mtp")
+    bar.update(step)
+    order, cursor = torch.randperm(seqs.num_seqs, generator=gen).tolist(), 0
+    while not budget.done(step):
+        common.set_lr(opt, lr * budget.lr_scale(step))
+        if cursor + batch_size > len(order):
+            order, cursor = torch.randperm(seqs.num_seqs, generator=gen).tolist(), 0
+        with common.autocast(dev):
+            terms = mtp_loss(model, target, feats, seqs, order[cursor : cursor + batch_size], dev, unroll)
+        cursor += batch_size
+        opt.zero_grad(set_to_none=True)
+        terms["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 10 == 0 or step == 1:
+            vals = {n: float(v) for n, v in terms.items()}
+            log.add(step, budget.elapsed, **vals)
+            bar.set_postfix(loss=f"{vals['loss']:.3f}")
+            if bar.disable and step % 100 == 0:
+                print(f"mtp step {step} " + " ".join(f"{n} {v:.4f}" for n, v in vals.items())
+                      + f" {budget.elapsed:.0f}s", flush=True)
+        bar.update(1)
+        if save_every and step % save_every == 0:
+            common.save_state(Path(out_dir) / "mtp_state", step, model.state_dict(), opt, budget.elapsed,
+                              log.entries)
+    bar.close()
+    first = mtp_first_stage(cfg)
+    stages = [f"mtp.{first + j}." for j in range(model.num_layers)]
+    save_drafter(Path(model_dir), Path(out_dir), ck, model.state_dict(), stages)
+    (Path(out_dir) / "mtp_state" / common.STATE_FILE).unlink(missing_ok=True)
+    meta = {"steps": step, "time_s": round(budget.elapsed, 1), "sequences": seqs.num_seqs, "unroll": unroll,
+            "batch_size": batch_size, "lr": lr,
+            "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 3)}
+    log.write(Path(out_dir) / "train_log_mtp.json", **meta)
+    return {**log.summary(), **meta}

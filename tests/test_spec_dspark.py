@@ -1,0 +1,188 @@
+"""(d) DSpark block attention = a dense masked reference (non-causal), and differs from a causal one;
+(e) the Markov head and the confidence head on hand-built weights; the batched block forward."""
+
+import pytest
+import torch
+from spec_helpers import drafter_tensors, one_thread, random_target, tiny_config, tiny_setup  # noqa: F401
+
+from sparkspec.models.dspark import DSparkDraftModel
+from sparkspec.ops import ops
+from sparkspec.ops.indices import dspark_index_width
+from sparkspec.sampling_params import SamplingParams
+from sparkspec.spec import SpeculativeGenerator, build_proposer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    cfg, model, tensors = tiny_setup()
+    d = DSparkDraftModel.from_tensors(cfg, tensors).double().eval()
+    return cfg, model, d
+
+
+def dense_block_attention(stage, h, positions, ctx_kv, causal: bool):
+    """Reference: every block row attends to all of `ctx_kv` and to block rows (all of them, or j <= i), + sink."""
+    a = stage.attn
+    q, _ = a.project_q(h, positions)  # [k, heads, D]
+    kv = torch.cat([ctx_kv, a.project_kv(h, positions)])  # [C + k, D]
+    k, C = h.shape[0], ctx_kv.shape[0]
+    mask = torch.ones(k, C + k, dtype=torch.bool)
+    if causal:
+        mask[:, C:] = torch.ones(k, k, dtype=torch.bool).tril()
+    scores = torch.einsum("thd,sd->ths", q, kv) * a.scale
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink = a.attn_sink.view(1, -1, 1).expand(k, -1, 1).to(scores.dtype)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return a.project_out(torch.einsum("ths,sd->thd", probs, kv), positions)
+
+
+@pytest.mark.parametrize("num_ctx", [0, 5, 16, 40])  # window 16
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_block_attention_is_non_causal_and_matches_dense_reference(drafter, num_ctx, k):
+    cfg, _, d = drafter
+    W = cfg.sliding_window
+    g = torch.Generator().manual_seed(num_ctx * 10 + k)
+    main_x = torch.randn(num_ctx, cfg.hidden_size, generator=g, dtype=torch.float64)
+    stage = d.mtp[1]
+    with torch.no_grad():
+        ctx_kv = d.context_kv(main_x, torch.arange(num_ctx))[1]  # [num_ctx, D]
+        h = torch.randn(k, cfg.hidden_size, generator=g, dtype=torch.float64)
+        pos = torch.arange(num_ctx, num_ctx + k)
+        indices = d.block_indices(torch.tensor([[0, num_ctx]]), k, num_ctx)
+        assert indices.shape == (k, dspark_index_width(W, k)) == (k, W + k)
+        assert int((indices >= 0).sum(1).min()) == min(num_ctx, W) + k  # window + every block row, no overflow
+        got = stage.block_attention(h, pos, ctx_kv, indices)
+        want = dense_block_attention(stage, h, pos, ctx_kv[-W:] if num_ctx else ctx_kv, causal=False)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        if num_ctx > W:  # rows older than the window are never read
+            stale = ctx_kv.clone()
+            stale[: num_ctx - W] = 1e3
+            torch.testing.assert_close(stage.block_attention(h, pos, stale, indices), got, rtol=0, atol=0)
+        if k > 1:
+            causal = dense_block_attention(stage, h, pos, ctx_kv[-W:] if num_ctx else ctx_kv, causal=True)
+            assert (got[0] - causal[0]).abs().max() > 1e-3  # row 0 sees the later block rows
+            torch.testing.assert_close(got[-1], causal[-1], rtol=1e-5, atol=1e-6)  # the last row sees the same rows either way
+
+
+def test_batched_blocks_equal_blocks_run_alone(drafter):
+    """forward_block over blocks with different context lengths == each block alone (index offsets)."""
+    cfg, model, d = drafter
+    g = torch.Generator().manual_seed(3)
+    sizes, k = [0, 5, 16, 23], 3
+    main_x = [torch.randn(n, cfg.hidden_size, generator=g, dtype=torch.float64) for n in sizes]
+    ctx = [d.context_kv(x, torch.arange(x.shape[0])) for x in main_x]
+    ids = torch.randint(4, cfg.vocab_size, (len(sizes), k), generator=g)
+    prev = torch.randint(4, cfg.vocab_size, (len(sizes), k), generator=g)
+    starts = torch.tensor(sizes)
+    with torch.no_grad():
+        ends = torch.tensor(sizes).cumsum(0)
+        batched = d.forward_block(model.embed, model.head, ids, starts,
+                                  [torch.cat([c[l] for c in ctx]) for l in range(d.num_layers)],
+                                  torch.stack([ends - torch.tensor(sizes), ends], 1), prev)
+        for b, n in enumerate(sizes):
+            alone = d.forward_block(model.embed, model.head, ids[b : b + 1], starts[b : b + 1], ctx[b],
+                                    torch.tensor([[0, n]]), prev[b : b + 1])
+            for f in ("hidden", "base_logits", "markov_logits", "confidence_logits"):
+                torch.testing.assert_close(getattr(batched, f)[b], getattr(alone, f)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_markov_head_on_hand_built_weights(drafter):
+    cfg, _, d = drafter
+    a, b, c, r = 10, 20, 30, cfg.dspark_markov_rank
+    mh = d.last.markov_head
+    saved = mh.markov_w1.weight.clone(), mh.markov_w2.weight.clone()
+    try:
+        with torch.no_grad():
+            mh.markov_w1.weight.zero_()
+            mh.markov_w2.weight.zero_()
+            mh.markov_w1.weight[a, 0] = 1.0  # e(a) = u0
+            mh.markov_w1.weight[b, 1] = 2.0  # e(b) = 2 u1
+            mh.markov_w2.weight[b, 0] = 5.0  # bias(a -> b) = 5
+            mh.markov_w2.weight[c, 1] = 3.0  # bias(b -> c) = 2 * 3 = 6
+            mh.markov_w2.weight[a, 1] = -1.0  # bias(b -> a) = -2
+            U = torch.linspace(-1, 1, cfg.vocab_size, dtype=torch.float64).expand(3, -1)
+            out = d.markov_logits(U, torch.tensor([a, b, c]))
+        want = U.clone()
+        want[0, b] += 5
+        want[1, c] += 6
+        want[1, a] -= 2
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)
+        assert r >= 2
+    finally:
+        with torch.no_grad():
+            mh.markov_w1.weight.copy_(saved[0])
+            mh.markov_w2.weight.copy_(saved[1])
+
+
+def test_confidence_head_on_hand_built_weights(drafter):
+    cfg, _, d = drafter
+    H, r = cfg.hidden_size, cfg.dspark_markov_rank
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, H, generator=g, dtype=torch.float64)
+    prev = torch.tensor([[7, 8, 9], [9, 9, 9]])
+    w = torch.zeros(1, H + r, dtype=torch.float64)
+    w[0, 0], w[0, H + 2] = 0.5, -1.5  # 0.5 * h[0] - 1.5 * markov_w1[prev][2]
+    saved = d.last.confidence_head.proj.weight.clone()
+    try:
+        with torch.no_grad():
+            d.last.confidence_head.proj.weight.copy_(w)
+            got = d.confidence_logits(hidden, prev)
+        e = d.last.markov_head.markov_w1.weight[prev]  # [2, 3, r]
+        torch.testing.assert_close(got.double(), 0.5 * hidden[..., 0] - 1.5 * e[..., 2], rtol=1e-5, atol=1e-6)
+    finally:
+        with torch.no_grad():
+            d.last.confidence_head.proj.weight.copy_(saved)
+
+
+def test_markov_chain_drives_greedy_drafts_left_to_right():
+    """With a zero LM head (U = 0) the drafts are exactly the Markov chain from the anchor: a -> b -> c -> a."""
+    cfg = tiny_config()
+    model = random_target(cfg, seed=0)
+    with torch.no_grad():
+        model.head.weight.zero_()
+    tensors = drafter_tensors(cfg, 1, "dspark")
+    n = cfg.num_dspark_layers - 1
+    w1 = torch.zeros_like(tensors[f"mtp.{n}.markov_head.markov_w1.weight"])
+    w2 = torch.zeros_like(tensors[f"mtp.{n}.markov_head.markov_w2.weight"])
+    chain = {40: 50, 50: 60, 60: 40}
+    for i, (src, dst) in enumerate(chain.items()):
+        w1[src, i] = 1.0
+        w2[dst, i] = 10.0
+    tensors[f"mtp.{n}.markov_head.markov_w1.weight"] = w1
+    tensors[f"mtp.{n}.markov_head.markov_w2.weight"] = w2
+    proposer = build_proposer("dspark", model, tensors, 4)
+    gen = SpeculativeGenerator(model, None, proposer)
+    seqs = gen.start([[5, 6, 7]], SamplingParams(max_tokens=8))
+    seqs[0].output_ids[-1] = 40  # the anchor (the pending token)
+    drafts = proposer.propose(seqs, [4])
+    assert drafts[0].token_ids == [50, 60, 40, 50]
+    assert drafts[0].probs is None and drafts[0].confidences.shape == (4,)
+
+
+def test_sampled_drafts_return_the_exact_markov_corrected_q(drafter):
+    """q_i = processed(U_i + bias(prev_i)) with prev_0 = anchor, prev_i = d_{i-1}; teacher-forced forward_block
+    with those predecessors reproduces the same logits (training and inference share one path)."""
+    cfg, model, _ = drafter
+    tensors = tiny_setup()[2]
+    proposer = build_proposer("dspark", model, tensors, 4)
+    gen = SpeculativeGenerator(model, None, proposer)
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=1)
+    seqs = gen.start([[9, 8, 7, 6, 5, 4, 33, 21]], params)
+    d = proposer.propose(seqs, [4])[0]
+    assert d.probs.shape == (4, cfg.vocab_size)
+    torch.testing.assert_close(d.probs.sum(-1), torch.ones(4, dtype=d.probs.dtype))
+    assert ((d.probs > 0).sum(-1) <= 50).all()
+    anchor = seqs[0].output_ids[-1]
+    st = proposer.states[seqs[0].seq_id]
+    N = seqs[0].cache.num_tokens
+    ids = torch.tensor([[anchor] + [cfg.dspark_noise_token_id] * 3])
+    prev = torch.tensor([[anchor] + d.token_ids[:3]])
+    with torch.no_grad():
+        out = proposer.drafter.forward_block(model.embed, model.head, ids, torch.tensor([N]), st.ctx_kv,
+                                             torch.tensor([[0, st.ctx_kv[0].shape[0]]]), prev)
+    n = 4
+    q = ops.process_logits(out.markov_logits[0], torch.full((n,), 0.9), torch.full((n,), 50), torch.ones(n))
+    torch.testing.assert_close(d.probs, q)
+    assert all(d.probs[i, t] > 0 for i, t in enumerate(d.token_ids))
+    torch.testing.assert_close(d.confidences, torch.sigmoid(out.confidence_logits[0]))
