@@ -97,7 +97,7 @@ class OracleProposer(Proposer):
 
 
 @pytest.mark.parametrize("spec,budget", [("none", "fixed"), ("ngram", "fixed"), ("dspark", "fixed"),
-                                         ("dspark", "adaptive"), ("mtp", "fixed")])
+                                         ("dspark", "adaptive"), ("mtp", "fixed"), ("mtp", "adaptive")])
 def test_batch_equals_one_at_a_time(ckpt, prompts, reference, spec, budget, tmp_path):
     eng = engine(ckpt, speculative=spec, spec_budget=budget, num_spec_tokens=3 if spec != "none" else None,
                  cost_cache_dir=str(tmp_path))

@@ -82,6 +82,8 @@ def test_chunked_prefill_off_waits_for_room():
     sched.add(seq(1, prompt_len=6))
     out = sched.schedule()
     assert [x.num_tokens for x in out.scheduled] == [6]
+    with pytest.raises(ValueError, match="chunked prefill is off"):
+        sched.add(seq(2, prompt_len=9))
 
 
 def test_everything_finishes_and_all_blocks_return():
@@ -216,9 +218,13 @@ def test_blocks_per_seq_charged_once():
 
 
 def test_policy_modules_do_not_import_torch():
+    import os
     import subprocess
     import sys
+    from pathlib import Path
 
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     code = ("import sys; import sparkspec.engine.scheduler, sparkspec.engine.block_manager, sparkspec.engine.budget; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

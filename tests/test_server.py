@@ -259,7 +259,8 @@ def test_models_health_metrics(server, client):
 
 def test_sigterm_shuts_down_cleanly(tiny_checkpoint_with_drafters):
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "sparkspec.serve.cli", "--model", str(tiny_checkpoint_with_drafters),
                              "--port", str(port), "--spec", "none", "--log-level", "warning", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)

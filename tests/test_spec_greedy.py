@@ -33,7 +33,7 @@ def setup():
 @pytest.mark.parametrize("method", ["dspark", "mtp", "ngram"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])  # 4 = the tiny preset's dspark_block_size
 def test_greedy_equals_plain_decoding(setup, method, k):
-    cfg, model, tensors, prompts, params, reference = setup
+    _, model, tensors, prompts, params, reference = setup
     gen = SpeculativeGenerator(model, None, build_proposer(method, model, tensors, k))
     seqs = gen.generate(prompts, params)
     assert [s.output_ids for s in seqs] == reference

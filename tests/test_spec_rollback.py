@@ -10,7 +10,15 @@ import dataclasses
 import pytest
 import torch
 from spec_helpers import (  # noqa: F401
-    ReplayProposer, drafter_tensors, mixed_prompts, one_thread, plain_generate, random_target, run_steps, tiny_setup)
+    ReplayProposer,
+    drafter_tensors,
+    mixed_prompts,
+    one_thread,
+    plain_generate,
+    random_target,
+    run_steps,
+    tiny_setup,
+)
 
 from sparkspec.models.deepseek_v4 import Batch
 from sparkspec.sampling_params import SamplingParams
@@ -129,7 +137,7 @@ def _committed_forward(model, seqs, capture):
 
 def test_rollback_dspark_context_windows(base):
     """The drafter's per-stage context windows hold exactly the last `window` committed positions."""
-    cfg, model, tensors, prompts, reference = base
+    cfg, model, tensors, prompts, _ = base
     proposer = build_proposer("dspark", model, tensors, 4)
     gen = SpeculativeGenerator(model, None, proposer)
     seqs = run_steps(gen, prompts, PARAMS, 6)  # random drafter: almost every draft is rejected

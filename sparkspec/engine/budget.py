@@ -91,14 +91,18 @@ class CostTable:
     draft: list[tuple[int, float]] = field(default_factory=list)
     key: str = ""
 
+    def __post_init__(self) -> None:
+        self._curves: dict[int, tuple[list[int], list[float]]] = {}
+        for r, points in self.target.items():
+            xs = [p[0] for p in sorted(points)]
+            ys = [p[1] for p in sorted(points)]
+            for i in range(1, len(ys)):  # force monotone: more tokens never cost less
+                ys[i] = max(ys[i], ys[i - 1])
+            self._curves[r] = (xs, ys)
+
     def target_seconds(self, num_reqs: int, num_tokens: int) -> float:
-        rs = sorted(self.target)
-        r = min(rs, key=lambda x: (abs(x - num_reqs), x))  # nearest measured request count
-        points = sorted(self.target[r])
-        xs = [p[0] for p in points]
-        ys = [p[1] for p in points]
-        for i in range(1, len(ys)):  # force monotone: more tokens never cost less
-            ys[i] = max(ys[i], ys[i - 1])
+        r = min(self._curves, key=lambda x: (abs(x - num_reqs), x))  # nearest measured request count
+        xs, ys = self._curves[r]
         if num_tokens <= xs[0] or len(xs) == 1:
             return ys[0] * (num_tokens / xs[0] if num_tokens > xs[0] else 1.0)
         i = min(bisect.bisect_left(xs, num_tokens), len(xs) - 1)

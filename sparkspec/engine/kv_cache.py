@@ -77,7 +77,8 @@ def available_memory_bytes(device: str = "cpu") -> int:
     if device != "cpu":
         import torch
 
-        free, _ = torch.cuda.mem_get_info()
+        backend = torch.xpu if device.startswith("xpu") else torch.cuda  # ROCm is torch.cuda too
+        free, _ = backend.mem_get_info(torch.device(device))
         return int(free)
     try:
         with open("/proc/meminfo") as f:

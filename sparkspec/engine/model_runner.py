@@ -105,5 +105,10 @@ class ModelRunner:
         return table
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        """Wait for the accelerator (timings only; the step itself never syncs explicitly)."""
+        if self.device.type == "cpu":
+            return
+        if hasattr(torch, "accelerator"):
+            torch.accelerator.synchronize(self.device)
+        else:
+            torch.cuda.synchronize(self.device)

@@ -91,6 +91,9 @@ class Scheduler:
         if total > c.max_model_len:
             raise ValueError(f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens} = {total} exceeds the "
                              f"maximum context length {c.max_model_len}")
+        if not c.enable_chunked_prefill and num_prompt_tokens > c.max_num_batched_tokens:
+            raise ValueError(f"{num_prompt_tokens} prompt tokens exceed max_num_batched_tokens="
+                             f"{c.max_num_batched_tokens} and chunked prefill is off")
         need = self.block_manager.blocks_for(total)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens} need {need} KV blocks; "
@@ -150,8 +153,8 @@ class Scheduler:
         while self.waiting and not out.preempted and len(self.running) < c.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            if n < seq.num_uncomputed_tokens and not c.enable_chunked_prefill:
-                break
+            if n < seq.num_uncomputed_tokens and not c.enable_chunked_prefill and not seq.output_ids:
+                break  # (a recompute after preemption is always chunked: it may exceed the budget)
             if not bm.can_allocate(seq, seq.num_tokens):
                 break
             self.waiting.popleft()

@@ -208,7 +208,7 @@ class DSparkDraftModel(nn.Module):
 
     # ---- construction ----
     @classmethod
-    def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> "DSparkDraftModel":
+    def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> DSparkDraftModel:
         """Build from checkpoint tensors named `mtp.S.*`; a missing tensor is a ValueError naming it.
         Other tensors (the target's, classic MTP layers at later stages) are ignored."""
         model = cls(cfg)
@@ -233,7 +233,7 @@ class DSparkDraftModel(nn.Module):
                 p.copy_(t.to(p.dtype))
         return model
 
-    def keep_fp32(self) -> "DSparkDraftModel":
+    def keep_fp32(self) -> DSparkDraftModel:
         """Cast mHC, sink, router-bias, Markov and confidence parameters back to fp32 after a `.to(bf16)`."""
         for name, p in self.named_parameters():
             if name.endswith(FP32_PARAM_SUFFIXES) or "markov_head" in name or "confidence_head" in name:

@@ -142,7 +142,7 @@ class MTPDraftModel(nn.Module):
 
     # ---- construction ----
     @classmethod
-    def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> "MTPDraftModel":
+    def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> MTPDraftModel:
         """Build from checkpoint tensors; the layers are the `mtp.S` stages that own `e_proj` (ValueError if none)."""
         stages = find_mtp_stages(tensors)
         if not stages:
@@ -164,7 +164,7 @@ class MTPDraftModel(nn.Module):
                 p.copy_(t.to(p.dtype))
         return model
 
-    def keep_fp32(self) -> "MTPDraftModel":
+    def keep_fp32(self) -> MTPDraftModel:
         for name, p in self.named_parameters():
             if name.endswith(FP32_PARAM_SUFFIXES):
                 p.data = p.data.float()

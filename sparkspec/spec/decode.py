@@ -70,8 +70,10 @@ class SpeculativeGenerator(Generator):
     def finish(self, seqs: list[Sequence]) -> None:
         self.proposer.finish(seqs)
         self.finalize(seqs)
-        self.spec_metrics = SpecMetrics.aggregate([s.spec_metrics for s in seqs], self.proposer.method,
-                                                  self.num_spec_tokens)
+        self.spec_metrics = self.aggregate_metrics(seqs)
+
+    def aggregate_metrics(self, seqs: list[Sequence]) -> SpecMetrics:
+        return SpecMetrics.aggregate([s.spec_metrics for s in seqs], self.proposer.method, self.num_spec_tokens)
 
     @torch.inference_mode()
     def spec_step(self, seqs: list[Sequence]) -> None:

@@ -51,8 +51,8 @@ class SpecMetrics:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
     @classmethod
-    def aggregate(cls, items: list["SpecMetrics"], method: str | None = None,
-                  num_spec_tokens: int | None = None) -> "SpecMetrics":
+    def aggregate(cls, items: list[SpecMetrics], method: str | None = None,
+                  num_spec_tokens: int | None = None) -> SpecMetrics:
         k = num_spec_tokens if num_spec_tokens is not None else max((m.num_spec_tokens for m in items), default=0)
         total = cls(method or (items[0].method if items else "none"), k)
         for m in items:

@@ -91,7 +91,7 @@ def _config(preset: str):
 
 
 def _report(name: str, result: dict, t0: float) -> int:
-    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "log"}))
     print(f"{name}: done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0
 
