@@ -2,16 +2,15 @@
 head; the math lives in `sparkspec.models.dspark`). Legend: B requests, k drafts, W window, D latent, V vocab.
 
 Per request the drafter keeps, for every stage, the context K=V rows of the last `sliding_window` COMMITTED
-positions ("context window"). `observe` appends the committed rows' main_x projections; nothing else is
-ever written, so rejected drafts need no rollback. `propose` runs one block of k rows `[b, noise * (k-1)]`
+positions ("context window"). `observe` queues the committed rows' taps, and the next `propose` projects them
+(main_x -> each stage's wkv / kv_norm / RoPE) in one batched pass; nothing else is ever written, so rejected
+drafts need no rollback, and steps without drafts cost almost nothing. `propose` runs one block of k rows `[b, noise * (k-1)]`
 at positions N..N+k-1 (N = committed tokens, b = pending token), then the Markov head left to right:
 greedy requests take the argmax, sampled requests draw from the processed (temperature / top-k / top-p)
 Markov-corrected distribution, which is returned as the exact q for verification.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -22,10 +21,22 @@ from sparkspec.ops import ops
 from sparkspec.spec.proposer import EMPTY_DRAFT, CommittedRows, Draft, Proposer
 
 
-@dataclass
 class DSparkState:
-    ctx_kv: list[torch.Tensor]  # per stage [<= W, D] K=V rows of the last committed positions, oldest first
-    num_committed: int = 0  # positions observed so far (= the target cache's committed tokens)
+    """One request's drafter context. Committed rows arrive as raw taps and are projected to K=V rows lazily,
+    on the next draft: a request the budget keeps at k = 0 pays only a slice of the taps per step."""
+
+    def __init__(self, proposer: "DSparkProposer", empty: torch.Tensor, num_layers: int):
+        self._proposer = proposer
+        self._ctx_kv = [empty] * num_layers  # per stage [<= W, D] K=V rows of the last committed positions
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (taps [n, m, H], positions [n]), oldest first
+        self.num_pending = 0
+        self.num_committed = 0  # positions observed so far (= the target cache's committed tokens)
+
+    @property
+    def ctx_kv(self) -> list[torch.Tensor]:
+        if self.pending:
+            self._proposer.flush([self])
+        return self._ctx_kv
 
 
 class DSparkProposer(Proposer):
@@ -42,34 +53,42 @@ class DSparkProposer(Proposer):
         p = next(self.drafter.parameters())
         empty = torch.zeros(0, self.target.cfg.head_dim, dtype=p.dtype, device=p.device)
         for s in seqs:
-            self.states[s.seq_id] = DSparkState([empty] * self.drafter.num_layers)
+            self.states[s.seq_id] = DSparkState(self, empty, self.drafter.num_layers)
 
     def finish(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             self.states.pop(s.seq_id, None)
 
     def observe(self, step: CommittedRows) -> None:
-        """Append the committed rows' context K=V (only the last `window` rows of each span can ever be read)."""
+        """Queue the committed rows' taps (only the last `window` rows of a request can ever be read)."""
         if not step.seqs:
             return
         dev = step.input_ids.device
-        rows, positions, cut = [], [], []
         for (s, e), start, seq in zip(step.spans, step.start_positions, step.seqs):
             state = self.states[seq.seq_id]
             if state.num_committed != start:
                 raise RuntimeError(f"DSpark context of request {seq.seq_id} holds {state.num_committed} positions, "
                                    f"but rows start at position {start}")
             first = max(s, e - self.window)
-            rows.append(torch.arange(first, e, device=dev))
-            positions.append(torch.arange(start + first - s, start + e - s, device=dev))
-            cut.append(e - first)
-        main_x = self.drafter.main_x(step.taps[torch.cat(rows)])  # [R, H]
-        ctx = self.drafter.context_kv(main_x, torch.cat(positions))  # per stage [R, D]
-        off = 0
-        for seq, n, (s, e), start in zip(step.seqs, cut, step.spans, step.start_positions):
-            state = self.states[seq.seq_id]
-            state.ctx_kv = [torch.cat([old, new[off : off + n]])[-self.window :] for old, new in zip(state.ctx_kv, ctx)]
+            state.pending.append((step.taps[first:e], torch.arange(start + first - s, start + e - s, device=dev)))
+            state.num_pending += e - first
+            while state.num_pending - state.pending[0][1].numel() >= self.window:  # superseded rows
+                state.num_pending -= state.pending.pop(0)[1].numel()
             state.num_committed = start + e - s
+
+    def flush(self, states: list[DSparkState]) -> None:
+        """Project every queued committed row to context K=V (one batched pass) and keep the last `window`."""
+        states = [st for st in states if st.pending]
+        if not states:
+            return
+        taps = torch.cat([t for st in states for t, _ in st.pending])  # [R, m, H]
+        positions = torch.cat([p for st in states for _, p in st.pending])  # [R]
+        ctx = self.drafter.context_kv(self.drafter.main_x(taps), positions)  # per stage [R, D]
+        off = 0
+        for st in states:
+            n = st.num_pending
+            st._ctx_kv = [torch.cat([old, new[off : off + n]])[-self.window :] for old, new in zip(st._ctx_kv, ctx)]
+            st.pending, st.num_pending = [], 0
             off += n
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
@@ -83,6 +102,7 @@ class DSparkProposer(Proposer):
     def propose_block(self, seqs: list[Sequence], k: int) -> list[Draft]:
         dev = next(self.drafter.parameters()).device
         states = [self.states[s.seq_id] for s in seqs]
+        self.flush(states)
         for s, st in zip(seqs, states):
             if st.num_committed != s.cache.num_tokens:
                 raise RuntimeError(f"DSpark context of request {s.seq_id} holds {st.num_committed} positions, "
