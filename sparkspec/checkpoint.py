@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from sparkspec.config import ModelConfig
 from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, DeepseekV4Model
 from sparkspec.models.weights import CheckpointError, load_state, read_tensors
-from sparkspec.platform import current_platform, default_dtype
+from sparkspec.platform import configure_cpu_threads, current_platform, default_dtype
 from sparkspec.tokenizer import Tokenizer, TokenizerError, stdlib_corpus, train_bpe_tokenizer
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "init_checkpoint", "load_checkpoint", "resolve_dtype",
@@ -81,6 +81,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
         raise CheckpointError(f"{path}: checkpoint directory not found")
     cfg = read_config(path)
     device = torch.device(device) if device is not None else current_platform().device
+    if device.type == "cpu":
+        configure_cpu_threads(cfg.hidden_size)
     tokenizer = None  # read first: a broken tokenizer fails before the weights load
     if (path / "tokenizer.json").is_file():
         try:

@@ -45,3 +45,22 @@ def default_dtype(platform: PlatformInfo | None = None) -> torch.dtype:
     """bf16 on accelerators, fp32 on CPU (exactness of tests and speed of CPU matmuls)."""
     platform = platform or current_platform()
     return torch.bfloat16 if platform.is_accelerator else torch.float32
+
+
+SMALL_MODEL_HIDDEN = 1024
+
+
+def configure_cpu_threads(hidden_size: int) -> int:
+    """Pick intra-op threads for CPU inference; returns the count in use.
+
+    Small models are latency bound: their GEMMs are too small to split, so extra OpenMP threads only add
+    synchronisation, and on a busy machine spinning threads slow every op by 10-40x (measured on 2 cores).
+    They get one thread. `SPARKSPEC_NUM_THREADS` (or `OMP_NUM_THREADS`) overrides."""
+    import os
+
+    env = os.environ.get("SPARKSPEC_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    if env:
+        torch.set_num_threads(max(1, int(env)))
+    elif hidden_size < SMALL_MODEL_HIDDEN:
+        torch.set_num_threads(1)
+    return torch.get_num_threads()

@@ -6,7 +6,8 @@ seed = `--seed` + prompt index. Metrics per dataset, pooled over all verify step
 * τ = Σ(accepted + 1) / #steps (includes the bonus / recovered token; no speculation gives 1);
 * accept_rate@i = steps whose drafts 1..i were all accepted / steps that drafted position i (prefix survival,
   DeepSpec's `accept_rate@k`); cond@i = accept_rate@i / accept_rate@(i-1), the conditional acceptance of the
-  DSpark paper's Fig. 2;
+  DSpark paper's Fig. 2 (exact when every step drafts k tokens, as DSpark and MTP do; for n-gram, whose
+  drafts vary in length, it is an approximation and can exceed 1);
 * tok/s = generated tokens / wall time of the decode loop (prefill included), and the same for plain decoding
   when `--baseline` is given (speed ratio in one run).
 """

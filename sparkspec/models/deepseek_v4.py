@@ -249,9 +249,9 @@ class MoE(nn.Module):
         hash_ids = self.gate.tid2eid[input_ids] if self.is_hash else None
         weights, ids = ops.moe_route(logits, self.gate.bias, hash_ids, cfg.num_experts_per_tok, cfg.scoring_func,
                                      cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        w1 = torch.stack([e.w1.weight for e in self.experts])
-        w2 = torch.stack([e.w2.weight for e in self.experts])
-        w3 = torch.stack([e.w3.weight for e in self.experts])
+        w1 = [e.w1.weight for e in self.experts]  # lists, not stacks: no weight copy per forward
+        w2 = [e.w2.weight for e in self.experts]
+        w3 = [e.w3.weight for e in self.experts]
         routed = ops.moe_experts(x, w1, w2, w3, weights, ids, cfg.swiglu_limit)
         se = self.shared_experts
         from sparkspec.ops.moe import swiglu

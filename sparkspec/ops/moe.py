@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -47,18 +49,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 @native("moe_experts")
 def moe_experts(
     x: torch.Tensor,  # [T, H]
-    w1: torch.Tensor,  # [E, I, H] gate
-    w2: torch.Tensor,  # [E, H, I] down
-    w3: torch.Tensor,  # [E, I, H] up
+    w1: Sequence[torch.Tensor] | torch.Tensor,  # E x [I, H] gate (a list or a stacked [E, I, H])
+    w2: Sequence[torch.Tensor] | torch.Tensor,  # E x [H, I] down
+    w3: Sequence[torch.Tensor] | torch.Tensor,  # E x [I, H] up
     weights: torch.Tensor,  # [T, A]
     ids: torch.Tensor,  # [T, A]
     limit: float,
 ) -> torch.Tensor:
     """Σ_a weights[t, a] · expert_{ids[t, a]}(x[t]) -> [T, H]."""
-    out = torch.zeros_like(x)
-    flat_ids = ids.reshape(-1)
-    for e in torch.unique(flat_ids).tolist():
+    T, A = ids.shape
+    y = x.new_zeros(T, A, x.shape[1])  # [T, A, H] one row per (token, slot): no scatter-add collisions
+    for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        h = swiglu(x[tok] @ w1[e].t(), x[tok] @ w3[e].t(), limit)
-        out.index_add_(0, tok, (h @ w2[e].t()) * weights[tok, slot].unsqueeze(-1).to(x.dtype))
-    return out
+        xe = x[tok]
+        y[tok, slot] = swiglu(xe @ w1[e].t(), xe @ w3[e].t(), limit) @ w2[e].t()
+    return (y * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
