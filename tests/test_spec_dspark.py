@@ -186,3 +186,16 @@ def test_sampled_drafts_return_the_exact_markov_corrected_q(drafter):
     torch.testing.assert_close(d.probs, q)
     assert all(d.probs[i, t] > 0 for i, t in enumerate(d.token_ids))
     torch.testing.assert_close(d.confidences, torch.sigmoid(out.confidence_logits[0]))
+
+
+def test_calibrated_confidence_uses_per_position_temperatures():
+    """`sparkspec train calibrate` stores T_k; the drafter then reports sigmoid(z_k / T_k), the last T past the end."""
+    cfg, _, tensors = tiny_setup()
+    last = f"mtp.{cfg.num_dspark_layers - 1}.confidence_head.temperature"
+    raw = DSparkDraftModel.from_tensors(cfg, tensors)
+    temps = torch.tensor([0.5, 2.0, 4.0])
+    cal = DSparkDraftModel.from_tensors(cfg, {**tensors, last: temps})
+    z = torch.tensor([1.2, -0.7])
+    for pos, t in [(0, 0.5), (1, 2.0), (2, 4.0), (5, 4.0)]:
+        torch.testing.assert_close(cal.confidence(z, pos), torch.sigmoid(z / t))
+        torch.testing.assert_close(raw.confidence(z, pos), torch.sigmoid(z))

@@ -64,6 +64,9 @@ class ConfidenceHead(nn.Module):
     def __init__(self, width: int):
         super().__init__()
         self.proj = nn.Linear(width, 1, bias=False)  # [1, H + r]
+        # [k] per-position temperatures from `sparkspec train calibrate` (sequential temperature scaling),
+        # loaded when the checkpoint has `confidence_head.temperature`; None = uncalibrated (T = 1)
+        self.temperature: torch.Tensor | None = None
 
 
 class DSparkStage(Block):
@@ -155,6 +158,13 @@ class DSparkDraftModel(nn.Module):
         x = torch.cat([hidden.float(), e], dim=-1)
         return F.linear(x, self.last.confidence_head.proj.weight.float()).squeeze(-1)
 
+    def confidence(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+        """Calibrated confidence of block position `position` (0-based): sigmoid(z / T_position)."""
+        t = self.last.confidence_head.temperature
+        if t is not None:
+            logits = logits / t[min(position, t.numel() - 1)].to(logits.device)
+        return torch.sigmoid(logits)
+
     # ---- the block forward (training and inference) ----
     def block_indices(self, ctx_ranges: torch.Tensor, k: int, num_ctx_rows: int) -> torch.Tensor:
         """Pool rows for every block row -> [B·k, dspark_index_width(window, k)].
@@ -231,6 +241,9 @@ class DSparkDraftModel(nn.Module):
                     raise CheckpointError(f"DSpark drafter: tensor '{name}' has shape {tuple(t.shape)}, "
                                           f"expected {tuple(p.shape)}")
                 p.copy_(t.to(p.dtype))
+        temperature = tensors.get(f"mtp.{model.num_layers - 1}.confidence_head.temperature")
+        if model.has_confidence and temperature is not None:
+            model.last.confidence_head.temperature = temperature.float()
         return model
 
     def keep_fp32(self) -> DSparkDraftModel:

@@ -127,7 +127,7 @@ class DSparkProposer(Proposer):
             tokens.append(prev)
             probs.append(q)
             if conf is not None:
-                confs.append(torch.sigmoid(conf))
+                confs.append(self.drafter.confidence(conf, i))
         tokens_bk = torch.stack(tokens, dim=1).tolist()  # [B, k]
         probs_bk = torch.stack(probs, dim=1)  # [B, k, V]
         confs_bk = torch.stack(confs, dim=1) if confs else None  # [B, k]
