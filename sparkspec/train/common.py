@@ -13,7 +13,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -153,7 +153,3 @@ def adamw(params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95)) -> to
     params = [p for p in params if p.requires_grad]
     kw = {"fused": True} if params and params[0].is_cuda else {}
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **kw)
-
-
-def config_dict(obj) -> dict:
-    return asdict(obj)

@@ -171,18 +171,3 @@ def regenerate(model_dir: Path, prompts: Path, out: Path, max_tokens: int, tempe
         done += len(group)
         print(f"[shard {index}/{count}] {done}/{len(rows)} answers, {time.perf_counter() - t0:.0f}s", flush=True)
     return done
-
-
-def merge_jsonl(parts: list[Path], out: Path) -> int:
-    n = 0
-    with out.open("w") as f:
-        for p in parts:
-            for line in p.read_text().splitlines():
-                if line.strip():
-                    f.write(line + "\n")
-                    n += 1
-    return n
-
-
-def summary_json(d: dict) -> str:
-    return json.dumps({k: v for k, v in d.items() if not isinstance(v, list)}, indent=1)
