@@ -39,7 +39,7 @@ from torch import nn
 from sparkspec.config import ModelConfig
 from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Block, RMSNorm
 from sparkspec.models.random_init import random_tensors
-from sparkspec.models.weights import CheckpointError
+from sparkspec.models.weights import CheckpointError, load_state
 from sparkspec.ops import ops
 from sparkspec.ops.indices import swa_index_width
 
@@ -150,18 +150,8 @@ class MTPDraftModel(nn.Module):
                                   "layers (write them with `sparkspec init --drafter mtp`)")
         has_norm = f"mtp.{stages[0]}.norm.weight" in tensors
         model = cls(cfg, len(stages), stages[0], has_norm)
-        params = dict(model.named_parameters())
-        missing = sorted(n for n in params if n not in tensors)
-        if missing:
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise CheckpointError(f"MTP drafter: missing tensor '{missing[0]}'{more}")
-        with torch.no_grad():
-            for name, p in params.items():
-                t = tensors[name]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise CheckpointError(f"MTP drafter: tensor '{name}' has shape {tuple(t.shape)}, "
-                                          f"expected {tuple(p.shape)}")
-                p.copy_(t.to(p.dtype))
+        # other stages' tensors (mtp.*) may be present; the target's are not ours to check
+        load_state(model, {k: v for k, v in tensors.items() if k.startswith("mtp.")}, source="MTP drafter")
         return model
 
     def keep_fp32(self) -> MTPDraftModel:
