@@ -269,6 +269,18 @@ def test_moe_experts_matches_naive():
     close(ops.moe_experts(x, w1, w2, w3, weights, ids, 2.0), want)
 
 
+def test_moe_experts_under_bf16_autocast_and_with_a_repeated_expert():
+    """Training runs under autocast (matmuls in bf16, buffers fp32); hash routing may pick one expert twice."""
+    T, H, I, E = 4, 8, 4, 3
+    x, w1, w2, w3 = rand(T, H, seed=1), rand(E, I, H, seed=2), rand(E, H, I, seed=3), rand(E, I, H, seed=4)
+    ids = torch.tensor([[0, 0], [2, 1], [1, 1], [0, 2]], device=DEVICE)
+    weights = rand(T, 2, seed=5)
+    want = ops.moe_experts(x, w1, w2, w3, weights, ids, 2.0)
+    with torch.autocast(DEVICE if isinstance(DEVICE, str) else DEVICE.type, dtype=torch.bfloat16):
+        got = ops.moe_experts(x, w1, w2, w3, weights, ids, 2.0)
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+
+
 # ---------------------------------------------------------------- sampling
 
 

@@ -62,5 +62,6 @@ def moe_experts(
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         xe = x[tok]
-        y[tok, slot] = swiglu(xe @ w1[e].t(), xe @ w3[e].t(), limit) @ w2[e].t()
+        h = swiglu(xe @ w1[e].t(), xe @ w3[e].t(), limit) @ w2[e].t()
+        y[tok, slot] = h.to(y.dtype)  # autocast may compute h in bf16
     return (y * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
