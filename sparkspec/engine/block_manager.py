@@ -5,7 +5,9 @@ of blocks per resident sequence (`blocks_per_seq`: drafter context windows and o
 size does not grow with the sequence). `kv_cache.py` decides how many bytes one block stands for.
 
 Verbs come in pairs: `can_allocate` / `allocate` / `trim` / `free`. A sequence owns `seq.block_ids`; the
-ids are accounting handles (the storage is the model's per-sequence cache; see `kv_cache.py`).
+ids are charge handles. This class is the one authority for admission and preemption; the storage is the
+engine's block pools (`models/cache.py`), sized from this block count so that whatever is admitted here fits
+there (see `kv_cache.py`).
 """
 
 from __future__ import annotations

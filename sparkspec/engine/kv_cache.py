@@ -1,14 +1,21 @@
 """How many KV blocks the engine may hand out: bytes per cached position for every cache kind, and a memory budget.
 
-What is paged, honestly: the storage of a sequence's caches is the model's own per-sequence cache
-(`sparkspec/models/cache.py`: one set of row buffers per layer, addressed by absolute position, rolled back by
-`truncate`). The engine does not scatter rows into a shared block pool; it *charges* each sequence
-`ceil(positions / block_size)` blocks of `bytes_per_block` bytes (plus `blocks_per_seq` for state that does not
-grow with the sequence, such as drafter context windows) and refuses to let the total exceed the budget. Freed
-sequences drop their caches, so the memory really returns. Two approximations, both on the side of using more
-memory than charged: the model's row buffers grow by doubling (physical capacity can reach 2x the charged
-positions until they are freed), and rows older than the sliding window are kept (see `models/cache.py`; they are
-charged, so this is counted, not hidden).
+The budget is real memory: the engine preallocates one block pool per cache kind per target layer
+(`sparkspec/models/cache.py`: `CachePools`, `BlockPool`) and every sequence's caches are block tables into them
+(`PagedRows`). A block holds `block_size` rows: positions for the per-position kinds, entries for the compressed
+kinds (one entry per `ratio` positions). Rollback (`truncate`), preemption, finish, abort and disconnect return
+blocks to the pools.
+
+One source of truth: the `BlockManager` (pure Python) decides admission and preemption. It charges a sequence
+`ceil(positions / block_size)` blocks of `bytes_per_block` (every kind of every layer for `block_size` positions)
+plus `blocks_per_seq` for drafter state that does not grow with the sequence (the drafters keep that themselves).
+`num_pool_blocks` sizes each pool so that whatever the BlockManager admits always fits, so a pool never runs out
+for an admitted request (`OutOfBlocks` would be a bug). Per-position pools get `num_blocks - blocks_per_seq` blocks
+(at most that many position blocks are ever charged); compressed pools get one block per `ratio` position blocks,
+plus one per resident sequence for rounding (capped at the per-position count). So what is allocated differs from
+what is charged by: + up to `max_num_seqs` rounding blocks per compressed pool, - `blocks_per_seq` position
+blocks, and the drafters' own state (charged, allocated by the drafter). Rows older than the sliding window are
+kept (the compressor re-pools them after a rollback, see `models/cache.py`); they are charged, not hidden.
 
 Cache kinds per target layer and position (`ModelConfig` names):
   * sliding-window KV latent       head_dim x dtype                         every layer
@@ -64,6 +71,15 @@ class KVCachePlan:
     bytes_per_token: dict[str, int]  # per cache kind
     budget_bytes: int
     source: str  # how the budget was chosen
+
+    def num_pool_blocks(self, ratio: int, max_num_seqs: int) -> int:
+        """Blocks for one pool: per-position kinds (ratio 1) or compressed kinds of a layer with this ratio.
+        S resident sequences holding k_i position blocks need sum ceil(k_i / ratio) <= K / ratio + S compressed
+        blocks, and never more than K (K = position blocks charged <= num_blocks - blocks_per_seq)."""
+        positions = self.num_blocks - self.blocks_per_seq
+        if ratio <= 1:
+            return positions
+        return min(positions, -(-positions // ratio) + max_num_seqs)
 
     def describe(self) -> str:
         kinds = ", ".join(f"{k} {v} B" for k, v in self.bytes_per_token.items() if v)

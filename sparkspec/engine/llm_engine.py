@@ -13,6 +13,7 @@ from sparkspec.engine.kv_cache import KVCachePlan, plan_kv_cache
 from sparkspec.engine.model_runner import ModelRunner
 from sparkspec.engine.scheduler import Scheduler, SchedulerConfig
 from sparkspec.engine.sequence import Sequence
+from sparkspec.models.cache import CachePools
 from sparkspec.sampling_params import SamplingParams
 
 
@@ -82,6 +83,8 @@ class LLMEngine:
             kv_cache_memory=config.kv_cache_memory, memory_fraction=config.memory_fraction, device=device,
             spec_method=config.speculative, num_spec_tokens=num_lookahead)
         bm = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size, self.kv_plan.blocks_per_seq)
+        self.runner.pools = CachePools(  # sized so that whatever the block manager admits fits (see kv_cache.py)
+            model, self.kv_plan.block_size, lambda ratio: self.kv_plan.num_pool_blocks(ratio, config.max_num_seqs))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens,
                                                                          1 + num_lookahead),

@@ -15,19 +15,21 @@ import torch
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.sequence import Sequence
 from sparkspec.generation import make_generator, sampling_tensors
+from sparkspec.models.cache import CachePools, SequenceCache
 from sparkspec.models.deepseek_v4 import Batch, DeepseekV4Model, ModelOutput
 from sparkspec.ops import ops
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4Model):
+    def __init__(self, model: DeepseekV4Model, pools: CachePools | None = None):
         self.model = model
         self.device = next(model.parameters()).device
+        self.pools = pools  # the engine's paged storage (None: private growable caches)
 
     def prepare(self, seq: Sequence) -> None:
         """Give a (newly admitted or recomputing) sequence its cache and sampling generator."""
         if seq.cache is None:
-            seq.cache = self.model.new_cache()
+            seq.cache = SequenceCache(self.model, pools=self.pools)
             if seq.num_cached_tokens:
                 raise AssertionError(f"sequence {seq.seq_id}: no cache but {seq.num_cached_tokens} cached tokens")
         if seq.generator is None and seq.params.seed is not None:

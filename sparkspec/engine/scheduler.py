@@ -112,8 +112,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.cache = seq.drafter_state = None
+        self.release(seq)
         if not seq.is_finished:
             seq.finish(reason)
 
@@ -167,22 +166,27 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's caches; it re-enters the queue first and is recomputed later."""
-        self.block_manager.free(seq)
+        self.release(seq)
         seq.num_cached_tokens = 0
-        seq.cache = seq.drafter_state = None
         seq.spec.draft_ids, seq.spec.draft_probs, seq.spec.confidences = [], None, None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def release(self, seq: Sequence) -> None:
+        """Give back the sequence's blocks: the charge, and the cache storage behind it (paged pools)."""
+        self.block_manager.free(seq)
+        if seq.cache is not None:
+            seq.cache.free()
+        seq.cache = seq.drafter_state = None
+
     def update(self) -> list[Sequence]:
         """After a step: release finished sequences and blocks held for rejected drafts -> finished ones."""
         finished = [s for s in self.running if s.is_finished]
         for seq in finished:
             self.running.remove(seq)
-            self.block_manager.free(seq)
-            seq.cache = seq.drafter_state = None
+            self.release(seq)
         for seq in self.running:
             self.block_manager.trim(seq, seq.num_tokens)
         return finished

@@ -195,6 +195,7 @@ class SpecRunner:
                          SamplingParams(max_tokens=self.num_spec_tokens + 2, ignore_eos=True))
                 for i in range(num_reqs)]
         for s in seqs:
+            s.cache = self.model.new_cache()  # timing probes stay out of the engine's block pools
             self.runner.prepare(s)
         self.proposer.start(seqs)
         items = [ScheduledSeq(s, context_len) for s in seqs]
