@@ -87,15 +87,18 @@ class Compressor(nn.Module):
         score = F.linear(xf, self.wgate.weight.float()) + self.ape.float()[positions % self.ratio]
         return kv, score
 
-    def emit(self, kv_rows: torch.Tensor, score_rows: torch.Tensor, first: int, count: int,
-             rotary: Rotary) -> torch.Tensor:
-        """Entries first..first+count-1 from per-position state rows [0, (first+count)·ratio) -> [count, d] fp32."""
+    def emit(self, state_kv, state_score, first: int, count: int, rotary: Rotary) -> torch.Tensor:
+        """Entries first..first+count-1 -> [count, d] fp32, reading only the per-position state rows they pool
+        (positions (first-1)·ratio .. (first+count)·ratio - 1 for overlapping windows) from the row buffers."""
         r, d = self.ratio, self.head_dim
+        lo = max(first - 1 if self.overlap else first, 0) * r  # first state row read
+        kv_rows = state_kv.view(lo, (first + count) * r)  # [rows, c·d]
+        score_rows = state_score.view(lo, (first + count) * r)
         j = torch.arange(first, first + count, device=kv_rows.device)
-        cur = (j * r).unsqueeze(1) + torch.arange(r, device=kv_rows.device)  # [N, r]
+        cur = (j * r).unsqueeze(1) + torch.arange(r, device=kv_rows.device) - lo  # [N, r] rows of kv_rows
         if self.overlap:
             prev = cur - r
-            has_prev = (prev >= 0).unsqueeze(-1)
+            has_prev = (prev + lo >= 0).unsqueeze(-1)
             kv = torch.cat([kv_rows[prev.clamp(min=0), :d], kv_rows[cur, d:]], dim=1)
             prev_score = score_rows[prev.clamp(min=0), :d].masked_fill(~has_prev, float("-inf"))
             score = torch.cat([prev_score, score_rows[cur, d:]], dim=1)
@@ -184,7 +187,7 @@ class Attention(nn.Module):
                 lc.comp_score.write(start, comp_score[s:e])
                 first, num_comp = start // self.ratio, end // self.ratio
                 if num_comp > first:
-                    entries = self.compressor.emit(lc.comp_kv.view(), lc.comp_score.view(), first, num_comp - first,
+                    entries = self.compressor.emit(lc.comp_kv, lc.comp_score, first, num_comp - first,
                                                    self.rotary)
                     lc.compressed.write(first, entries)
                 lc.compressed.truncate(num_comp)
@@ -193,7 +196,7 @@ class Attention(nn.Module):
                 lc.idx_score.write(start, idx_score[s:e])
                 first = start // self.ratio
                 if num_comp > first:
-                    keys = self.indexer.compressor.emit(lc.idx_kv.view(), lc.idx_score.view(), first,
+                    keys = self.indexer.compressor.emit(lc.idx_kv, lc.idx_score, first,
                                                         num_comp - first, self.rotary)
                     lc.idx_keys.write(first, keys)
                 lc.idx_keys.truncate(num_comp)
