@@ -67,6 +67,11 @@ class Rotary(nn.Module):
         return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
+def _rows(buf, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of a cache row buffer (`GrowingRows` / `PagedRows`) or of a plain [N, W] tensor."""
+    return buf[start:end] if isinstance(buf, torch.Tensor) else buf.view(start, end)
+
+
 class Compressor(nn.Module):
     """Gated pooling of `ratio` positions into one compressed entry (ratio 4: overlapping windows of 2·ratio)."""
 
@@ -92,8 +97,8 @@ class Compressor(nn.Module):
         (positions (first-1)·ratio .. (first+count)·ratio - 1 for overlapping windows) from the row buffers."""
         r, d = self.ratio, self.head_dim
         lo = max(first - 1 if self.overlap else first, 0) * r  # first state row read
-        kv_rows = state_kv.view(lo, (first + count) * r)  # [rows, c·d]
-        score_rows = state_score.view(lo, (first + count) * r)
+        kv_rows = _rows(state_kv, lo, (first + count) * r)  # [rows, c·d]
+        score_rows = _rows(state_score, lo, (first + count) * r)
         j = torch.arange(first, first + count, device=kv_rows.device)
         cur = (j * r).unsqueeze(1) + torch.arange(r, device=kv_rows.device) - lo  # [N, r] rows of kv_rows
         if self.overlap:
