@@ -202,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # CheckpointError and config errors are ValueErrors
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # an optional extra (serve / bench / test) is not installed
+        extra = {"uvicorn": "serve", "fastapi": "serve", "prometheus_client": "serve", "matplotlib": "bench",
+                 "httpx": "bench"}.get((e.name or "").split(".")[0])
+        hint = f"pip install 'sparkspec[{extra}]'" if extra else "install it with pip"
+        print(f"error: `sparkspec {args.command}` needs the package '{e.name}': {hint}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
