@@ -195,3 +195,22 @@ def test_eval_on_tiny_checkpoint_reports(tmp_path, capsys):
             assert r["tau"] >= 1.0 and len(r["cond_accept"]) == 4 and r["steps"] > 0
     assert (tmp_path / "acc.png").stat().st_size > 0
     assert "tau" in capsys.readouterr().out
+
+
+def test_resume_restores_parameters_optimizer_step_and_log(tmp_path):
+    from sparkspec.train import common
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = common.adamw(model.parameters(), 1e-2)
+    common.optimizer_step(opt, model, model(torch.randn(5, 4)).square().mean())
+    common.save_state(tmp_path, 7, model.state_dict(), opt, 12.5, [{"step": 7, "loss": 1.0}])
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = common.adamw(fresh.parameters(), 1e-2)
+    log = common.RunLog()
+    assert common.resume(tmp_path, fresh, fresh_opt, log) == (7, 12.5)
+    assert log.entries == [{"step": 7, "loss": 1.0}]
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    assert common.resume(tmp_path / "none", fresh, fresh_opt, common.RunLog()) == (0, 0.0)

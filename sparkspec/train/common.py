@@ -125,6 +125,27 @@ def load_state(out_dir: Path) -> dict | None:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def resume(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, log: "RunLog") -> tuple[int, float]:
+    """Restore parameters, optimizer and loss log from `state_dir` if a saved state is there -> (step, elapsed s)."""
+    state = load_state(state_dir)
+    if state is None:
+        return 0, 0.0
+    model.load_state_dict(state["params"])
+    opt.load_state_dict(state["opt"])
+    log.entries = state["log"]
+    print(f"resumed from {state_dir / STATE_FILE} at step {state['step']}")
+    return state["step"], state["elapsed"]
+
+
+def optimizer_step(opt: torch.optim.Optimizer, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """Backward, clip the gradient norm at 1, step -> the pre-clip gradient norm."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return gnorm
+
+
 @dataclass
 class RunLog:
     """Loss history kept with the checkpoint and summarised in the README (first/last averages, time)."""

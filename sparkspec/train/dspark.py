@@ -152,13 +152,8 @@ def train_dspark(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes
     feats = compute_features(target, seqs, tuple(cfg.dspark_target_layer_ids))
     drafter = init_drafter(cfg, seed).to(dev).train()
     opt = common.adamw(drafter.parameters(), lr)
-    log, step, elapsed_before = common.RunLog(), 0, 0.0
-    state = common.load_state(Path(out_dir) / "dspark_state")
-    if state is not None:
-        drafter.load_state_dict(state["params"])
-        opt.load_state_dict(state["opt"])
-        step, elapsed_before, log.entries = state["step"], state["elapsed"], state["log"]
-        print(f"resumed DSpark training at step {step}")
+    log = common.RunLog()
+    step, elapsed_before = common.resume(Path(out_dir) / "dspark_state", drafter, opt, log)
     budget = common.Budget(steps, minutes, elapsed_before=elapsed_before)
     bar = common.progress_bar(steps, "dspark")
     bar.update(step)
@@ -174,10 +169,7 @@ def train_dspark(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes
             out, target_logits = block_forward(drafter, target, feats, bb, dev)
         terms = dspark_loss(out.markov_logits, out.confidence_logits, target_logits, bb.labels.to(dev),
                             bb.mask.to(dev))
-        opt.zero_grad(set_to_none=True)
-        terms["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        common.optimizer_step(opt, drafter, terms["loss"])
         step += 1
         if step % 10 == 0 or step == 1:
             vals = {n: v.item() for n, v in terms.items()}

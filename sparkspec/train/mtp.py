@@ -101,12 +101,8 @@ def train_mtp(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes: f
     feats = compute_features(target, seqs, (), with_streams=True)
     model = init_mtp(cfg, seed).to(dev).train()
     opt = common.adamw(model.parameters(), lr)
-    log, step, elapsed_before = common.RunLog(), 0, 0.0
-    state = common.load_state(Path(out_dir) / "mtp_state")
-    if state is not None:
-        model.load_state_dict(state["params"])
-        opt.load_state_dict(state["opt"])
-        step, elapsed_before, log.entries = state["step"], state["elapsed"], state["log"]
+    log = common.RunLog()
+    step, elapsed_before = common.resume(Path(out_dir) / "mtp_state", model, opt, log)
     budget = common.Budget(steps, minutes, elapsed_before=elapsed_before)
     bar = common.progress_bar(steps, "mtp")
     bar.update(step)
@@ -118,10 +114,7 @@ def train_mtp(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes: f
         with common.autocast(dev):
             terms = mtp_loss(model, target, feats, seqs, order[cursor : cursor + batch_size], dev, unroll)
         cursor += batch_size
-        opt.zero_grad(set_to_none=True)
-        terms["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        common.optimizer_step(opt, model, terms["loss"])
         step += 1
         if step % 10 == 0 or step == 1:
             vals = {n: float(v.detach()) for n, v in terms.items()}

@@ -78,13 +78,8 @@ def train_target(cfg: ModelConfig, data: Path, out_dir: Path, tokenizer_dir: Pat
     model = init_target(cfg, seed).to(dev)
     model.train()
     opt = common.adamw(model.parameters(), lr, weight_decay=0.1)
-    log, step, elapsed_before = common.RunLog(), 0, 0.0
-    state = common.load_state(out_dir)
-    if state is not None:
-        model.load_state_dict(state["params"])
-        opt.load_state_dict(state["opt"])
-        step, elapsed_before, log.entries = state["step"], state["elapsed"], state["log"]
-        print(f"resumed from {out_dir / common.STATE_FILE} at step {step}")
+    log = common.RunLog()
+    step, elapsed_before = common.resume(out_dir, model, opt, log)
     rng = np.random.default_rng(seed + step)
     budget = common.Budget(steps, minutes, elapsed_before=elapsed_before)
     bar = common.progress_bar(steps, "target")
@@ -95,10 +90,7 @@ def train_target(cfg: ModelConfig, data: Path, out_dir: Path, tokenizer_dir: Pat
         windows = sample_windows(train_stream, batch_size, seq_len, rng).to(dev)
         with common.autocast(dev):
             loss = lm_loss(model, windows)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        gnorm = common.optimizer_step(opt, model, loss)
         step += 1
         if step % 10 == 0 or step == 1:
             log.add(step, budget.elapsed, loss=loss.item(), grad_norm=gnorm.item(), lr=opt.param_groups[0]["lr"])
