@@ -55,10 +55,6 @@ class DSparkProposer(Proposer):
         for s in seqs:
             self.states[s.seq_id] = DSparkState(self, empty, self.drafter.num_layers)
 
-    def finish(self, seqs: list[Sequence]) -> None:
-        for s in seqs:
-            self.states.pop(s.seq_id, None)
-
     def observe(self, step: CommittedRows) -> None:
         """Queue the committed rows' taps (only the last `window` rows of a request can ever be read)."""
         if not step.seqs:

@@ -47,10 +47,6 @@ class MTPProposer(Proposer):
         for s in seqs:
             self.states[s.seq_id] = MTPState([kv] * n, [pos] * n, [None] * n)
 
-    def finish(self, seqs: list[Sequence]) -> None:
-        for s in seqs:
-            self.states.pop(s.seq_id, None)
-
     def observe(self, step: CommittedRows) -> None:
         if not step.seqs:
             return

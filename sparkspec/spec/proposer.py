@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,6 +71,7 @@ class Proposer(ABC):
 
     def __init__(self, num_spec_tokens: int):
         self.num_spec_tokens = num_spec_tokens
+        self.states: dict[int, Any] = {}  # per-request drafter state, keyed by seq_id; dropped in `finish`
 
     def start(self, seqs: list[Sequence]) -> None:
         """New requests are about to be prefilled."""
@@ -83,3 +85,5 @@ class Proposer(ABC):
 
     def finish(self, seqs: list[Sequence]) -> None:
         """These requests ended; drop their state."""
+        for s in seqs:
+            self.states.pop(s.seq_id, None)
