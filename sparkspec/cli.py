@@ -148,7 +148,7 @@ def cmd_generate(args) -> int:
 
         gen = Generator(ckpt.model, ckpt.tokenizer)
     else:
-        from sparkspec.spec import SpeculativeGenerator, build_proposer
+        from sparkspec.spec_decode import SpeculativeGenerator, build_proposer
 
         try:
             proposer = build_proposer(method, ckpt.model, ckpt.drafter_tensors, args.num_spec_tokens)

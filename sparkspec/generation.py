@@ -1,5 +1,5 @@
 """Offline batched generation on the target model (plain decoding; speculative decoding plugs in via
-`sparkspec.spec`). One step = one target forward over a flattened ragged batch."""
+`sparkspec.spec_decode`). One step = one target forward over a flattened ragged batch."""
 
 from __future__ import annotations
 

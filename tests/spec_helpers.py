@@ -16,7 +16,7 @@ from sparkspec.models.mtp import init_mtp_tensors
 from sparkspec.models.random_init import random_tensors
 from sparkspec.models.weights import load_state
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec.proposer import Draft, Proposer
+from sparkspec.spec_decode.proposer import Draft, Proposer
 
 DEVICE = torch.device("cpu")
 

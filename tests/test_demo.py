@@ -7,7 +7,7 @@ import pytest
 from sparkspec.checkpoint import load_checkpoint
 from sparkspec.generation import Generator
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec import SpeculativeGenerator, build_proposer
+from sparkspec.spec_decode import SpeculativeGenerator, build_proposer
 
 DEMO = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
 PROMPTS = ["Write a haiku about the sea.", "What is 17 times 23?", "def fibonacci(n):"]

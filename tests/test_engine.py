@@ -23,8 +23,8 @@ from sparkspec.engine.kv_cache import cache_bytes_per_token, parse_memory, plan_
 from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.generation import Generator
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec.proposer import EMPTY_DRAFT, Draft, Proposer
-from sparkspec.spec.rejection import RejectionSampler
+from sparkspec.spec_decode.proposer import EMPTY_DRAFT, Draft, Proposer
+from sparkspec.spec_decode.rejection import RejectionSampler
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 

@@ -11,8 +11,8 @@ from spec_helpers import drafter_tensors, mixed_prompts, one_thread, plain_gener
 from sparkspec.models.dspark import DSparkDraftModel
 from sparkspec.models.mtp import MTPDraftModel, find_mtp_stages, init_drafter_tensors
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec import SpecMetrics, SpeculativeGenerator, build_proposer
-from sparkspec.spec.ngram import lookup
+from sparkspec.spec_decode import SpecMetrics, SpeculativeGenerator, build_proposer
+from sparkspec.spec_decode.ngram import lookup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

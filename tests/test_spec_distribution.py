@@ -17,9 +17,9 @@ from spec_helpers import drafter_tensors, one_thread, random_target, tiny_config
 from sparkspec.models.deepseek_v4 import Batch
 from sparkspec.ops import ops
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec import SpeculativeGenerator, build_proposer
-from sparkspec.spec.proposer import Draft, Proposer
-from sparkspec.spec.rejection import RejectionSampler
+from sparkspec.spec_decode import SpeculativeGenerator, build_proposer
+from sparkspec.spec_decode.proposer import Draft, Proposer
+from sparkspec.spec_decode.rejection import RejectionSampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,7 @@ from sparkspec.models.dspark import DSparkDraftModel
 from sparkspec.ops import ops
 from sparkspec.ops.indices import dspark_index_width
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec import SpeculativeGenerator, build_proposer
+from sparkspec.spec_decode import SpeculativeGenerator, build_proposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

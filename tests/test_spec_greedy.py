@@ -12,7 +12,7 @@ import torch
 from spec_helpers import drafter_tensors, mixed_prompts, one_thread, plain_generate, random_target, tiny_setup  # noqa: F401
 
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec import SpeculativeGenerator, build_proposer
+from sparkspec.spec_decode import SpeculativeGenerator, build_proposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

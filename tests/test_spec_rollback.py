@@ -22,8 +22,8 @@ from spec_helpers import (  # noqa: F401
 
 from sparkspec.models.deepseek_v4 import Batch
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec import SpeculativeGenerator, build_proposer
-from sparkspec.spec.proposer import CommittedRows
+from sparkspec.spec_decode import SpeculativeGenerator, build_proposer
+from sparkspec.spec_decode.proposer import CommittedRows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -55,7 +55,7 @@ def run_method(model, tokenizer, drafter_tensors, method: str, prompts: list[lis
     """Batch-1 generation of every prompt -> pooled metrics (method 'none' = plain decoding)."""
     from sparkspec.generation import Generator
     from sparkspec.sampling_params import SamplingParams
-    from sparkspec.spec import SpecMetrics, SpeculativeGenerator, build_proposer
+    from sparkspec.spec_decode import SpecMetrics, SpeculativeGenerator, build_proposer
 
     if method == "none":
         gen = Generator(model, tokenizer)

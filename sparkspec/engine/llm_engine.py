@@ -60,7 +60,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, drafter_tensors=None,
                  proposer=None):
-        """`proposer`: a ready `sparkspec.spec.Proposer` to use instead of building `config.speculative`'s."""
+        """`proposer`: a ready `sparkspec.spec_decode.Proposer` to use instead of building `config.speculative`'s."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer

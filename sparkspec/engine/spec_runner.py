@@ -4,7 +4,7 @@ Rows of one step (one flattened ragged target forward):
   * prefill / recompute chunks (no drafts; the chunk that reaches the end of a prompt samples a token),
   * decode rows `[b, d_0 .. d_{l_r - 1}]` with a per-request l_r; l_r = 0 is a plain decode row, and when the
     budget plans no drafts for anyone the drafter is not called at all that step.
-Drafters, the rejection sampler and the drafter protocol come from `sparkspec.spec` (see `spec/proposer.py`);
+Drafters, the rejection sampler and the drafter protocol come from `sparkspec.spec_decode` (see `spec_decode/proposer.py`);
 this file decides who drafts how much and keeps the engine's bookkeeping (cache rollback, stats).
 """
 
@@ -23,8 +23,8 @@ from sparkspec.engine.model_runner import ModelRunner
 from sparkspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from sparkspec.engine.sequence import Sequence
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec import RejectionSampler, Verdict, build_proposer
-from sparkspec.spec.proposer import EMPTY_DRAFT, CommittedRows, Draft
+from sparkspec.spec_decode import RejectionSampler, Verdict, build_proposer
+from sparkspec.spec_decode.proposer import EMPTY_DRAFT, CommittedRows, Draft
 
 log = logging.getLogger("sparkspec.engine")
 PROBE_EVERY = 16  # when the budget plans no drafts, still draft once every this many steps to keep estimates fresh

@@ -19,9 +19,9 @@ import torch
 from sparkspec.generation import Generator, Sequence
 from sparkspec.models.deepseek_v4 import Batch, DeepseekV4Model, ModelOutput
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec.metrics import SpecMetrics
-from sparkspec.spec.proposer import CommittedRows, Draft, Proposer
-from sparkspec.spec.rejection import RejectionSampler
+from sparkspec.spec_decode.metrics import SpecMetrics
+from sparkspec.spec_decode.proposer import CommittedRows, Draft, Proposer
+from sparkspec.spec_decode.rejection import RejectionSampler
 
 
 class SpeculativeGenerator(Generator):

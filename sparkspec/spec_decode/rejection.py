@@ -25,7 +25,7 @@ import torch
 
 from sparkspec.ops import ops
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec.proposer import Draft
+from sparkspec.spec_decode.proposer import Draft
 
 
 @dataclass

@@ -11,10 +11,10 @@ import warnings
 import torch
 
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
-from sparkspec.spec.decode import SpeculativeGenerator
-from sparkspec.spec.metrics import SpecMetrics
-from sparkspec.spec.proposer import CommittedRows, Draft, Proposer
-from sparkspec.spec.rejection import RejectionSampler, Verdict
+from sparkspec.spec_decode.decode import SpeculativeGenerator
+from sparkspec.spec_decode.metrics import SpecMetrics
+from sparkspec.spec_decode.proposer import CommittedRows, Draft, Proposer
+from sparkspec.spec_decode.rejection import RejectionSampler, Verdict
 
 METHODS = ("dspark", "mtp", "ngram")
 DEFAULT_NGRAM_TOKENS = 4
@@ -50,12 +50,12 @@ def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[st
         raise ValueError(f"num_spec_tokens = {k!r}: expected an integer >= 1")
     tensors = drafter_tensors or {}
     if method == "ngram":
-        from sparkspec.spec.ngram import NgramProposer
+        from sparkspec.spec_decode.ngram import NgramProposer
 
         return NgramProposer(k)
     if method == "dspark":
         from sparkspec.models.dspark import DSparkDraftModel
-        from sparkspec.spec.dspark import DSparkProposer
+        from sparkspec.spec_decode.dspark import DSparkProposer
 
         block = default_num_spec_tokens("dspark", model)
         drafter = _place(DSparkDraftModel.from_tensors(model.cfg, tensors), model)
@@ -64,7 +64,7 @@ def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[st
                           "were never trained and will rarely be accepted", stacklevel=2)
         return DSparkProposer(model, drafter, k)
     from sparkspec.models.mtp import MTPDraftModel
-    from sparkspec.spec.mtp import MTPProposer
+    from sparkspec.spec_decode.mtp import MTPProposer
 
     drafter = _place(MTPDraftModel.from_tensors(model.cfg, tensors), model)
     return MTPProposer(model, drafter, k)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparkspec.generation import Sequence
-from sparkspec.spec.proposer import EMPTY_DRAFT, Draft, Proposer
+from sparkspec.spec_decode.proposer import EMPTY_DRAFT, Draft, Proposer
 
 
 def lookup(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:

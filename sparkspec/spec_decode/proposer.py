@@ -2,7 +2,7 @@
 
 Legend: k drafts of one request, V vocabulary, T rows of a target forward, m tapped layers, n hc streams, H hidden.
 
-Protocol, per request (see `sparkspec.spec.decode`): the target cache holds the committed tokens 0..N-1 and
+Protocol, per request (see `sparkspec.spec_decode.decode`): the target cache holds the committed tokens 0..N-1 and
 the pending token b (the target's last sample) sits at position N.
 
 1. `start(seqs)` before the prompt is prefilled;

@@ -18,7 +18,7 @@ from sparkspec.generation import Sequence, sampling_tensors
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.mtp import MTPDraftModel
 from sparkspec.ops import ops
-from sparkspec.spec.proposer import EMPTY_DRAFT, CommittedRows, Draft, Proposer
+from sparkspec.spec_decode.proposer import EMPTY_DRAFT, CommittedRows, Draft, Proposer
 
 
 @dataclass
