@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from sparkspec.config import ModelConfig
-from sparkspec.models.deepseek_v4 import Batch, DeepseekV4Model
+from sparkspec.models.cache import KVCache
+from sparkspec.models.deepseek_v4 import DeepseekV4Model
+from sparkspec.models.forward_batch import build_batch, forward_sequences
 from sparkspec.models.weights import load_state
 
 DEVICE = torch.device(os.environ.get("SPARKSPEC_TEST_DEVICE", "cpu"))
@@ -91,7 +93,27 @@ def random_ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 def run_full(model: DeepseekV4Model, ids: torch.Tensor, **kw):
     """One forward over a single whole sequence with a fresh cache -> ModelOutput (logits [T, V])."""
-    return model(ids, Batch([(0, ids.numel())], [0], [model.new_cache()]), **kw)
+    return forward_sequences(model, ids, [ids.numel()], **kw)
+
+
+class Caches:
+    """Paged caches for `num_seqs` test sequences (contiguous block tables) and how many positions each holds."""
+
+    def __init__(self, model: DeepseekV4Model, num_seqs: int = 1, max_len: int = 256, block_size: int = 16):
+        self.model = model
+        self.cache, self.tables = KVCache.for_sequences(model, num_seqs, max_len, block_size)
+        self.lengths = [0] * num_seqs
+
+    def forward(self, ids: torch.Tensor, num_tokens: list[int], seqs: list[int] | None = None,
+                starts: list[int] | None = None, logits_rows: list[int] | None = None, **capture):
+        """Run `ids` (sequences `seqs` back to back, num_tokens each, from `starts` or their current lengths)."""
+        seqs = list(range(len(num_tokens))) if seqs is None else seqs
+        starts = [self.lengths[s] for s in seqs] if starts is None else starts
+        batch = build_batch(self.cache, ids, [self.tables[s] for s in seqs], starts, num_tokens, logits_rows,
+                            self.model.compress_ratios)
+        for s, st, n in zip(seqs, starts, num_tokens):
+            self.lengths[s] = st + n
+        return self.model(batch, **capture)
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, make_model, random_ids, run_full
-
-from sparkspec.models.deepseek_v4 import Batch
+from conftest import Caches, make_model, random_ids, run_full
 
 TOL = 1e-4
 SEQ_LEN = 70  # window 8, ratios 4 and 8: 17 blocks of 4, 8 blocks of 8, many windows
@@ -28,15 +26,14 @@ def full_logits(model, ids):
         return run_full(model, ids).logits  # [T, V]
 
 
-def run_chunks(model, ids, chunks, cache=None):
-    """Feed `ids` through one cache in consecutive chunks -> logits of every position [T, V]."""
-    cache = cache or model.new_cache()
-    out, pos = [], cache.num_tokens
+def run_chunks(model, ids, chunks, caches=None):
+    """Feed `ids` through one sequence's cache in consecutive chunks -> (logits of every position [T, V], caches)."""
+    caches = caches or Caches(model)
+    out, pos = [], caches.lengths[0]
     for n in chunks:
-        piece = ids[pos:pos + n]
-        out.append(model(piece, Batch([(0, n)], [pos], [cache])).logits)
+        out.append(caches.forward(ids[pos:pos + n], [n]).logits)
         pos += n
-    return torch.cat(out), cache
+    return torch.cat(out), caches
 
 
 def close(a, b, tol=TOL):
@@ -45,8 +42,8 @@ def close(a, b, tol=TOL):
 
 @torch.no_grad()
 def test_prefill_then_token_by_token_equals_full_forward(model, ids, full_logits):
-    got, cache = run_chunks(model, ids, [13] + [1] * (SEQ_LEN - 13))
-    assert cache.num_tokens == SEQ_LEN
+    got, caches = run_chunks(model, ids, [13] + [1] * (SEQ_LEN - 13))
+    assert caches.lengths == [SEQ_LEN]
     close(got, full_logits)
 
 
@@ -58,10 +55,17 @@ def test_chunked_prefill_equals_full_forward(model, ids, full_logits, chunks):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("block_size", [4, 8, 32])
+def test_block_size_does_not_change_logits(model, ids, full_logits, block_size):
+    """Block 4 and 8 hold less than one ratio-8 window; block 32 holds several: entry addressing is right."""
+    got, _ = run_chunks(model, ids, [30, 1, 1, 38], Caches(model, block_size=block_size))
+    close(got, full_logits)
+
+
+@torch.no_grad()
 def test_logits_rows_select_rows(model, ids, full_logits):
-    rows = torch.tensor([0, 7, SEQ_LEN - 1], device=DEVICE)
-    out = model(ids, Batch([(0, SEQ_LEN)], [0], [model.new_cache()]), logits_rows=rows)
-    close(out.logits, full_logits[rows], tol=1e-6)
+    out = run_full(model, ids, logits_rows=[0, 7, SEQ_LEN - 1])
+    close(out.logits, full_logits[[0, 7, SEQ_LEN - 1]], tol=1e-6)
 
 
 @torch.no_grad()
@@ -69,54 +73,39 @@ def test_ragged_batch_equals_one_at_a_time(model):
     lengths = [5, 37, 70, 1]
     seqs = [random_ids(n, model.cfg.vocab_size, seed=10 + i) for i, n in enumerate(lengths)]
     alone = [run_full(model, s).logits for s in seqs]
-    caches = [model.new_cache() for _ in seqs]
-    spans, off = [], 0
-    for n in lengths:
-        spans.append((off, off + n))
+    caches = Caches(model, num_seqs=len(seqs))
+    out = caches.forward(torch.cat(seqs), lengths).logits
+    off = 0
+    for n, want in zip(lengths, alone):
+        close(out[off:off + n], want)
         off += n
-    out = model(torch.cat(seqs), Batch(spans, [0] * len(seqs), caches)).logits
-    for (s, e), want in zip(spans, alone):
-        close(out[s:e], want)
-    assert [c.num_tokens for c in caches] == lengths
+    assert caches.lengths == lengths
 
 
 @torch.no_grad()
 def test_mixed_prefill_and_decode_batch(model, ids, full_logits):
     """One sequence decodes one token while another prefills a chunk, in the same forward."""
     other = random_ids(20, model.cfg.vocab_size, seed=3)
-    c1, c2 = model.new_cache(), model.new_cache()
-    run_chunks(model, ids, [40], cache=c1)
-    run_chunks(model, other, [9], cache=c2)
-    batch = Batch([(0, 1), (1, 12)], [40, 9], [c1, c2])
-    out = model(torch.cat([ids[40:41], other[9:20]]), batch).logits
+    caches = Caches(model, num_seqs=2)
+    caches.forward(ids[:40], [40], seqs=[0])
+    caches.forward(other[:9], [9], seqs=[1])
+    out = caches.forward(torch.cat([ids[40:41], other[9:20]]), [1, 11]).logits
     close(out[0], full_logits[40])
     close(out[1:], run_full(model, other).logits[9:20])
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("keep", [30, 32, 29], ids=["before-boundary", "on-boundary", "mid-block"])
-def test_truncate_rollback_across_compression_boundary(model, ids, keep):
-    """A rejected draft that crossed ratio-4 and ratio-8 boundaries leaves no trace after truncate."""
+def test_rollback_across_compression_boundary(model, ids, keep):
+    """A rejected draft that crossed ratio-4 and ratio-8 boundaries leaves no trace once the sequence continues
+    from `keep` (rollback is moving a length: nothing else is undone)."""
     clean, _ = run_chunks(model, ids, [keep, 1, 1, 9])
-    cache = model.new_cache()
-    run_chunks(model, ids, [keep], cache=cache)
+    _, caches = run_chunks(model, ids, [keep])
     garbage = random_ids(7, model.cfg.vocab_size, seed=99)  # positions keep .. keep+6 cross 32 and 36
-    model(garbage, Batch([(0, 7)], [keep], [cache]))
-    cache.truncate(keep)
-    assert cache.num_tokens == keep
-    for lc in cache.layers:
-        assert lc.kv.n == keep
-        if lc.compressed is not None:
-            assert lc.compressed.n == keep // lc.ratio
-    after, _ = run_chunks(model, ids, [1, 1, 9], cache=cache)
+    caches.forward(garbage, [7])
+    caches.lengths[0] = keep
+    after, _ = run_chunks(model, ids, [1, 1, 9], caches)
     assert torch.equal(after, clean[keep:])
-
-
-@torch.no_grad()
-def test_truncate_beyond_cache_is_an_error(model, ids):
-    _, cache = run_chunks(model, ids, [5])
-    with pytest.raises(ValueError, match="cannot truncate to 6 tokens"):
-        cache.truncate(6)
 
 
 @torch.no_grad()

@@ -10,16 +10,16 @@ without renaming. Compute-heavy pieces go through `sparkspec.ops` (chosen once p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sparkspec.config import CSA, ModelConfig, yarn_inv_freq
-from sparkspec.models.cache import LayerCache, SequenceCache
+from sparkspec.models.cache import entries_per_block
+from sparkspec.models.forward_batch import ForwardBatch
 from sparkspec.ops import ops
-from sparkspec.ops.indices import swa_compressed_indices
 
 FP32_PARAM_SUFFIXES = ("attn_sink", "ape", "gate.bias", "hc_attn_fn", "hc_attn_base", "hc_attn_scale",
                        "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "hc_head_fn", "hc_head_base", "hc_head_scale")
@@ -67,11 +67,6 @@ class Rotary(nn.Module):
         return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
-def _rows(buf, start: int, end: int) -> torch.Tensor:
-    """Rows [start, end) of a cache row buffer (`GrowingRows` / `PagedRows`) or of a plain [N, W] tensor."""
-    return buf[start:end] if isinstance(buf, torch.Tensor) else buf.view(start, end)
-
-
 class Compressor(nn.Module):
     """Gated pooling of `ratio` positions into one compressed entry (ratio 4: overlapping windows of 2·ratio)."""
 
@@ -92,25 +87,28 @@ class Compressor(nn.Module):
         score = F.linear(xf, self.wgate.weight.float()) + self.ape.float()[positions % self.ratio]
         return kv, score
 
-    def emit(self, state_kv, state_score, first: int, count: int, rotary: Rotary) -> torch.Tensor:
-        """Entries first..first+count-1 -> [count, d] fp32, reading only the per-position state rows they pool
-        (positions (first-1)·ratio .. (first+count)·ratio - 1 for overlapping windows) from the row buffers."""
+    def emit(
+        self,
+        kv_pool: torch.Tensor,  # [N·bs + 1, c·d] fp32 per-position state rows (this step's already stored)
+        score_pool: torch.Tensor,  # [N·bs + 1, c·d] fp32
+        last: torch.Tensor,  # [M] position closing each entry: (j + 1)·ratio - 1
+        req: torch.Tensor,  # [M] request row of each entry
+        batch: ForwardBatch,
+        rotary: Rotary,
+    ) -> torch.Tensor:
+        """Entries j = (last + 1) / ratio - 1 -> [M, d] fp32, pooling positions j·r .. j·r + r - 1 (and, for
+        overlapping windows, the first half of positions (j-1)·r .. j·r - 1)."""
         r, d = self.ratio, self.head_dim
-        lo = max(first - 1 if self.overlap else first, 0) * r  # first state row read
-        kv_rows = _rows(state_kv, lo, (first + count) * r)  # [rows, c·d]
-        score_rows = _rows(state_score, lo, (first + count) * r)
-        j = torch.arange(first, first + count, device=kv_rows.device)
-        cur = (j * r).unsqueeze(1) + torch.arange(r, device=kv_rows.device) - lo  # [N, r] rows of kv_rows
-        if self.overlap:
-            prev = cur - r
-            has_prev = (prev + lo >= 0).unsqueeze(-1)
-            kv = torch.cat([kv_rows[prev.clamp(min=0), :d], kv_rows[cur, d:]], dim=1)
-            prev_score = score_rows[prev.clamp(min=0), :d].masked_fill(~has_prev, float("-inf"))
-            score = torch.cat([prev_score, score_rows[cur, d:]], dim=1)
-        else:
-            kv, score = kv_rows[cur], score_rows[cur]
+        span = 2 * r if self.overlap else r
+        pos = last.unsqueeze(1) - span + 1 + torch.arange(span, device=last.device)  # [M, span], oldest first
+        rows = batch.rows_of(pos, req.unsqueeze(1).expand_as(pos), batch.block_size)
+        kv, score = kv_pool[rows.clamp(min=0)], score_pool[rows.clamp(min=0)]  # [M, span, c·d]
+        if self.overlap:  # previous window contributes its first half, the current one its second half
+            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+            score = torch.cat([score[:, :r, :d].masked_fill((pos[:, :r] < 0).unsqueeze(-1), float("-inf")),
+                               score[:, r:, d:]], dim=1)
         pooled = self.norm(ops.compress_pool(kv, score))
-        return rotary.apply(pooled, j * r)
+        return rotary.apply(pooled, last + 1 - r)
 
 
 class Indexer(nn.Module):
@@ -169,57 +167,55 @@ class Attention(nn.Module):
         z = torch.einsum("tgi,goi->tgo", o, w).reshape(T, -1)
         return self.wo_b(z)
 
-    # -- target forward over a ragged batch --
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: "Batch") -> torch.Tensor:
-        q, qr = self.project_q(x, positions)
-        kv = self.project_kv(x, positions)
+    # -- target forward over a flat batch --
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, H] -> [T, H]. Stores this step's rows of every cache kind, emits the compressed entries the
+        step's positions close, then attends over the pools through one index list per query."""
+        pos, req, r = batch.positions, batch.req_idx, self.ratio
+        pools = batch.cache.layers[self.layer_id]
+        rows_per_block = batch.block_size + entries_per_block(batch.block_size, r)
+        q, qr = self.project_q(x, pos)
+        store(pools["attn"], batch.token_rows(r), self.project_kv(x, pos))
+        topk, num_compressed = None, 0
         if self.compressor is not None:
-            comp_kv, comp_score = self.compressor.states(x, positions)
+            emit = batch.emit_rows[r]  # [M] token rows closing an entry
+            last, emit_req = pos[emit], req[emit]
+            entry_ids = (last + 1) // r - 1
+            self.store_states(self.compressor, pools["comp_kv"], pools["comp_score"], x, batch)
+            entries = self.compressor.emit(pools["comp_kv"], pools["comp_score"], last, emit_req, batch,
+                                           self.rotary)
+            store(pools["attn"], batch.entry_rows(entry_ids, emit_req, r, rows_per_block, batch.block_size), entries)
+            num_compressed = batch.max_seq_len // r
         if self.indexer is not None:
-            idx_kv, idx_score = self.indexer.compressor.states(x, positions)
-            iq = self.indexer.wq_b(qr).view(x.shape[0], self.indexer.n_heads, self.indexer.head_dim)
-            iq = self.rotary.apply(iq, positions)
-            iw = self.indexer.weights_proj(x).float() * self.indexer.n_heads ** -0.5
-        pools, index_rows, offset = [], [], 0
-        for r, (s, e) in enumerate(batch.spans):
-            lc: LayerCache = batch.caches[r].layers[self.layer_id]
-            start = batch.starts[r]
-            end = start + (e - s)
-            lc.kv.write(start, kv[s:e])
-            num_comp, topk = 0, None
-            if self.compressor is not None:
-                lc.comp_kv.write(start, comp_kv[s:e])
-                lc.comp_score.write(start, comp_score[s:e])
-                first, num_comp = start // self.ratio, end // self.ratio
-                if num_comp > first:
-                    entries = self.compressor.emit(lc.comp_kv, lc.comp_score, first, num_comp - first,
-                                                   self.rotary)
-                    lc.compressed.write(first, entries)
-                lc.compressed.truncate(num_comp)
-            if self.indexer is not None:
-                lc.idx_kv.write(start, idx_kv[s:e])
-                lc.idx_score.write(start, idx_score[s:e])
-                first = start // self.ratio
-                if num_comp > first:
-                    keys = self.indexer.compressor.emit(lc.idx_kv, lc.idx_score, first,
-                                                        num_comp - first, self.rotary)
-                    lc.idx_keys.write(first, keys)
-                lc.idx_keys.truncate(num_comp)
-                visible = (positions[s:e] + 1) // self.ratio
-                topk = ops.indexer_topk(iq[s:e], iw[s:e], lc.idx_keys.view(), visible, self.indexer.topk,
-                                        self.indexer.head_dim ** -0.5)
-            lo = max(0, start - self.window + 1)
-            pool = lc.kv.view(lo, end)
-            if num_comp:
-                pool = torch.cat([pool, lc.compressed.view(0, num_comp)], dim=0)
-            idx = swa_compressed_indices(positions[s:e], lo, end - lo, self.window, self.ratio, topk)
-            index_rows.append(torch.where(idx >= 0, idx + offset, idx))
-            pools.append(pool)
-            offset += pool.shape[0]
-        width = max(t.shape[1] for t in index_rows)
-        indices = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in index_rows], dim=0)
-        o = ops.sparse_attention(q, torch.cat(pools, dim=0), indices, self.attn_sink, self.scale)
-        return self.project_out(o, positions)
+            ix = self.indexer
+            self.store_states(ix.compressor, pools["idx_kv"], pools["idx_score"], x, batch)
+            keys = ix.compressor.emit(pools["idx_kv"], pools["idx_score"], last, emit_req, batch, self.rotary)
+            e = entries_per_block(batch.block_size, r)
+            store(pools["idx_keys"], batch.entry_rows(entry_ids, emit_req, r, e, 0), keys)
+            iq = self.rotary.apply(ix.wq_b(qr).view(x.shape[0], ix.n_heads, ix.head_dim), pos)
+            iw = ix.weights_proj(x).float() * ix.n_heads ** -0.5
+            j = torch.arange(num_compressed, device=x.device)  # [C] entries any request of the batch may have
+            key_rows = batch.entry_rows(j.expand(batch.num_reqs, -1),
+                                        torch.arange(batch.num_reqs, device=x.device).unsqueeze(1), r, e, 0)
+            topk = ops.indexer_topk(iq, iw, pools["idx_keys"][key_rows], req, (pos + 1) // r, ix.topk,
+                                    ix.head_dim ** -0.5)
+        indices = ops.paged_attention_indices(pos, req, batch.block_tables, batch.block_size, self.window, r, topk,
+                                              num_compressed)
+        o = ops.sparse_attention(q, pools["attn"], indices, self.attn_sink, self.scale)
+        return self.project_out(o, pos)
+
+    @staticmethod
+    def store_states(compressor: Compressor, kv_pool: torch.Tensor, score_pool: torch.Tensor, x: torch.Tensor,
+                     batch: ForwardBatch) -> None:
+        kv, score = compressor.states(x, batch.positions)
+        rows = batch.state_rows()
+        store(kv_pool, rows, kv)
+        store(score_pool, rows, score)
+
+
+def store(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """The one cache write: pool[rows] = values (rows from the block tables; a -1 lands in the scratch row)."""
+    pool.index_copy_(0, torch.where(rows >= 0, rows, pool.shape[0] - 1), values.to(pool.dtype))
 
 
 class Expert(nn.Module):
@@ -300,21 +296,11 @@ class Block(nn.Module):
 
 
 @dataclass
-class Batch:
-    """A flattened ragged batch: sequence r owns rows spans[r] = (s, e) at positions starts[r] + 0..e-s-1."""
-
-    spans: list[tuple[int, int]]
-    starts: list[int]
-    caches: list[SequenceCache]
-
-
-@dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [R, V] fp32 for the requested rows
+    logits: torch.Tensor  # [L, V] fp32 for the requested rows
     taps: torch.Tensor | None = None  # [T, len(tap_layers), H] mean over hc streams of chosen layer outputs
     final_streams: torch.Tensor | None = None  # [T, n·H] residual before hc_head (MTP input)
     hidden: torch.Tensor | None = None  # [T, H] hc_head output (pre-norm)
-    extras: dict = field(default_factory=dict)
 
 
 class DeepseekV4Model(nn.Module):
@@ -329,40 +315,47 @@ class DeepseekV4Model(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * H))
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self._head_fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight it was cast from, fp32 copy)
+
+    @property
+    def compress_ratios(self) -> tuple[int, ...]:
+        """The distinct compress ratios (> 1) of the target layers: the batch precomputes entry rows per ratio."""
+        return tuple(sorted({layer.attn.ratio for layer in self.layers if layer.attn.ratio > 1}))
 
     # -- drafter interface --
+    def head_weight_fp32(self) -> torch.Tensor:
+        """The LM head in fp32, cast once (not on every call) and recast only if the weight is replaced;
+        under autograd the live parameter is used so gradients reach it."""
+        w = self.head.weight
+        if w.dtype == torch.float32 or torch.is_grad_enabled():
+            return w.float()
+        if self._head_fp32 is None or self._head_fp32[0] is not w or self._head_fp32[1].device != w.device:
+            self._head_fp32 = (w, w.detach().float())
+        return self._head_fp32[1]
+
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] (pre-norm hc_head output) -> logits [T, V] fp32 with the shared norm and head."""
-        return F.linear(self.norm(h).float(), self.head.weight.float())
+        return F.linear(self.norm(h).float(), self.head_weight_fp32())
 
     def collapse(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         return ops.hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.rms_norm_eps, c.hc_eps)
 
-    def new_cache(self) -> SequenceCache:
-        return SequenceCache(self)
-
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T]
-        batch: Batch,
-        logits_rows: torch.Tensor | None = None,  # [R] rows to compute logits for; None = all
+        batch: ForwardBatch,
         tap_layers: tuple[int, ...] = (),  # 0-based layers whose OUTPUT streams (mean over hc) are captured
         capture_final_streams: bool = False,
     ) -> ModelOutput:
-        positions = torch.cat([torch.arange(st, st + (e - s), device=input_ids.device)
-                               for (s, e), st in zip(batch.spans, batch.starts)])
-        x = self.embed(input_ids)
+        x = self.embed(batch.input_ids)
         x = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, n, H]
         taps = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, input_ids, lambda h, a=layer.attn: a(h, positions, batch))
+            x = layer(x, batch.positions, batch.input_ids, lambda h, a=layer.attn: a(h, batch))
             if i in tap_layers:
                 taps.append(x.float().mean(dim=1))
-        for r, (s, e) in enumerate(batch.spans):
-            batch.caches[r].num_tokens = batch.starts[r] + (e - s)
         hidden = self.collapse(x)
-        rows = hidden if logits_rows is None else hidden[logits_rows]
+        rows = hidden if batch.logits_rows is None else hidden[batch.logits_rows]
         return ModelOutput(
             logits=self.logits_from_hidden(rows),
             taps=torch.stack(taps, dim=1) if taps else None,

@@ -25,19 +25,20 @@ def compress_pool(
 def indexer_topk(
     q: torch.Tensor,  # [T, ih, id] indexer queries (RoPE applied)
     weights: torch.Tensor,  # [T, ih] per-head weights (already scaled)
-    keys: torch.Tensor,  # [C, id] compressed indexer keys
+    keys: torch.Tensor,  # [R, C, id] compressed indexer keys of each request (rows past its entries: anything)
+    req_idx: torch.Tensor,  # [T] request of each query
     num_visible: torch.Tensor,  # [T] int: entries j < num_visible[t] may be chosen
     topk: int,
     scale: float,
 ) -> torch.Tensor:
-    """Lightning indexer: score[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[j])·scale, keep the top `topk` visible
+    """Lightning indexer: score[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[r(t), j])·scale, keep the top `topk` visible
     entries -> [T, topk] int64 entry ids, -1 padded (ties broken towards the lower id)."""
-    T, C = q.shape[0], keys.shape[0]
+    T, C = q.shape[0], keys.shape[1]
     k = min(topk, C)
     out = torch.full((T, topk), -1, dtype=torch.long, device=q.device)
     if k == 0:
         return out
-    s = torch.relu(torch.einsum("thd,cd->thc", q.float(), keys.float())) * scale
+    s = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys.float()[req_idx])) * scale
     s = (s * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, C]
     visible = torch.arange(C, device=q.device).unsqueeze(0) < num_visible.unsqueeze(1)
     s = s.masked_fill(~visible, float("-inf"))

@@ -1,0 +1,112 @@
+"""The flat batch one model forward runs on. Legend: T tokens, R requests, M entries emitted, L logits rows.
+
+The runner builds one `ForwardBatch` per step from host integers with a single host->device copy: requests
+are packed back to back (request r owns rows cu_seqlens_q[r]:cu_seqlens_q[r+1] at consecutive positions).
+The model never sees a sequence object or a Python list of spans: every cache write and read goes through
+the block tables (see `models/cache.py` for the pool layout), so a layer's forward is the same handful of
+ops for one request or for a hundred.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sparkspec.models.cache import KVCache, entries_per_block
+from sparkspec.ops.indices import pool_rows
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] absolute positions
+    req_idx: torch.Tensor  # [T] request row of each token
+    cu_seqlens_q: torch.Tensor  # [R+1]
+    seq_lens: torch.Tensor  # [R] positions held after this forward (start + tokens)
+    block_tables: torch.Tensor  # [R, max_blocks] block ids (padded with 0; padding is never addressed)
+    logits_rows: torch.Tensor | None  # [L] rows whose logits are returned; None = every row
+    emit_rows: dict[int, torch.Tensor]  # ratio -> [M] rows whose position closes a compressed entry
+    cache: KVCache
+    max_seq_len: int  # host copy of seq_lens.max(): widths of the compressed index lists
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    # ---- pool addressing (memoised per forward: every layer of one ratio shares them) ----
+    def rows_of(self, positions: torch.Tensor, req: torch.Tensor, rows_per_block: int) -> torch.Tensor:
+        """Pool rows of raw positions [*] of requests req [*] (-1 where position < 0)."""
+        return pool_rows(self.block_tables, req, positions, self.block_size, rows_per_block)
+
+    def entry_rows(self, entries: torch.Tensor, req: torch.Tensor, ratio: int, rows_per_block: int,
+                   first_row: int) -> torch.Tensor:
+        """Pool rows of compressed entries [*] of requests req [*] (-1 where entry < 0)."""
+        return pool_rows(self.block_tables, req, entries, self.block_size, rows_per_block, first_row, ratio)
+
+    def memo(self, key, fn):
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    def token_rows(self, ratio: int) -> torch.Tensor:
+        """[T] rows of this step's tokens in a layer's `attn` pool (raw K=V)."""
+        e = entries_per_block(self.block_size, ratio)
+        return self.memo(("attn", ratio), lambda: self.rows_of(self.positions, self.req_idx, self.block_size + e))
+
+    def state_rows(self) -> torch.Tensor:
+        """[T] rows of this step's tokens in per-position pools (compressor / indexer state)."""
+        return self.memo("state", lambda: self.rows_of(self.positions, self.req_idx, self.block_size))
+
+
+def build_batch(
+    cache: KVCache,
+    input_ids: list[int] | torch.Tensor,  # [T]
+    block_tables: list[list[int]],  # per request
+    starts: list[int],  # per request: position of its first row
+    num_tokens: list[int],  # per request: rows this forward
+    logits_rows: list[int] | None = None,
+    ratios: tuple[int, ...] = (),  # compress ratios of the model's layers (> 1)
+    extra: list[int] | None = None,  # more host ints to ship in the same copy (returned as batch._memo["extra"])
+) -> ForwardBatch:
+    """Pack host integers into one int64 tensor, copy it to the device once, and slice the batch out of it."""
+    R = len(starts)
+    ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+    positions, req_idx, cu = [], [], [0]
+    for r, (s, n) in enumerate(zip(starts, num_tokens)):
+        positions += range(s, s + n)
+        req_idx += [r] * n
+        cu.append(cu[-1] + n)
+    seq_lens = [s + n for s, n in zip(starts, num_tokens)]
+    width = max((len(t) for t in block_tables), default=0) or 1
+    tables = [b for t in block_tables for b in list(t) + [0] * (width - len(t))]
+    emits = {ratio: [t for t, p in enumerate(positions) if (p + 1) % ratio == 0] for ratio in sorted(set(ratios))}
+    parts = [ids, positions, req_idx, cu, seq_lens, tables, logits_rows or [], *emits.values(), extra or []]
+    device = next(iter(cache.layers[0].values())).device if cache.layers else torch.device("cpu")
+    flat = torch.tensor([x for part in parts for x in part], dtype=torch.long)
+    if device.type != "cpu":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    out, off = [], 0
+    for part in parts:
+        out.append(flat[off : off + len(part)])
+        off += len(part)
+    ids_t, pos_t, req_t, cu_t, lens_t, tab_t, rows_t, *emit_t, extra_t = out
+    batch = ForwardBatch(ids_t, pos_t, req_t, cu_t, lens_t, tab_t.view(R, width),
+                         rows_t if logits_rows is not None else None, dict(zip(emits, emit_t)), cache,
+                         max(seq_lens, default=0))
+    batch._memo["extra"] = extra_t
+    return batch
+
+
+def forward_sequences(model, input_ids: torch.Tensor, lengths: list[int], logits_rows: list[int] | None = None,
+                      **capture):
+    """Whole sequences packed back to back from position 0, through a fresh cache sized for them (training,
+    tests, timing probes: callers without a block manager) -> ModelOutput."""
+    cache, tables = KVCache.for_sequences(model, len(lengths), max(lengths, default=1))
+    batch = build_batch(cache, input_ids, tables, [0] * len(lengths), lengths, logits_rows, model.compress_ratios)
+    return model(batch, **capture)
