@@ -4,6 +4,11 @@ Only the engine thread touches the engine. Requests and aborts reach it through 
 back to the event loop with `call_soon_threadsafe`. Validation (`check`) runs in the caller, so a bad request is
 refused before it is queued and can never disturb other requests. A stream that is closed early (client
 disconnect, cancellation) aborts its request, which frees its KV blocks on the next engine iteration.
+
+No single request may take the engine down: if `engine.step()` raises, only the requests of that step fail
+(RequestFailedError; they are aborted, so their blocks are freed) and the loop carries on. If the loop itself
+dies (a bug outside step, or steps that keep failing whatever they hold), `on_death` is called so that the
+server can exit non-zero and be restarted, instead of living on and answering only 503.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from sparkspec.engine.llm_engine import LLMEngine, RequestOutput
 from sparkspec.engine.scheduler import QueueFullError
@@ -21,9 +26,17 @@ from sparkspec.sampling_params import SamplingParams
 
 log = logging.getLogger("sparkspec.engine")
 
+# Steps that fail in a row, each with its own batch aborted, before the engine is declared broken: one bad
+# request fails one step, but a device that fails every step must not leave a server that answers only errors.
+MAX_CONSECUTIVE_STEP_FAILURES = 8
+
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """The engine step that held this request raised; the request was aborted (HTTP 500)."""
 
 
 class AsyncLLMEngine:
@@ -37,6 +50,9 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread
+        self.num_failed_steps = 0
+        self._failures_in_a_row = 0
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -51,6 +67,12 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests whose output stream is still open (queued, running, or not yet read to the end)."""
+        with self._lock:
+            return len(self._streams)
 
     @property
     def is_running(self) -> bool:
@@ -122,8 +144,26 @@ class AsyncLLMEngine:
                 self.engine.add_request(prompt_ids, params, request_id=request_id)
             except (ValueError, QueueFullError) as e:
                 self._deliver(request_id, e)
+            except Exception as e:  # add_request records nothing before it raises: only this request fails
+                log.exception("adding request %s failed", request_id)
+                self._deliver(request_id, RequestFailedError(f"the engine could not add the request ({e!r})"))
         elif kind == "abort":
             self.engine.abort_request(request_id)
+
+    def _fail_step(self, held: dict, e: Exception) -> None:
+        """Fail the requests a raising step held: every one it had taken from the waiting queue, and any it
+        dropped; the ones still waiting were not in the step and stay queued."""
+        waiting = {id(seq) for seq in getattr(self.engine.scheduler, "waiting", ())}
+        victims = [rid for rid, seq in held.items() if id(seq) not in waiting or rid not in self.engine.requests]
+        self.num_failed_steps += 1
+        log.error("engine step failed; failing its %d request(s) %s", len(victims), victims, exc_info=e)
+        for rid in victims:
+            self.engine.abort_request(rid)
+            self._deliver(rid, RequestFailedError(f"the engine failed while generating ({type(e).__name__}); "
+                                                  "see the server log"))
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineDeadError(f"{self._failures_in_a_row} engine steps failed in a row") from e
 
     def _loop(self) -> None:
         try:
@@ -138,15 +178,24 @@ class AsyncLLMEngine:
                     pass
                 if self._stop.is_set() or not self.engine.has_unfinished():
                     continue
-                for out in self.engine.step():
+                held = dict(self.engine.requests)  # a failing step may already have dropped finished ones
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:
+                    self._fail_step(held, e)
+                    continue
+                self._failures_in_a_row = 0
+                for out in outputs:
                     self._deliver(out.request_id, out)
-        except BaseException as e:  # a bug: fail every open stream instead of hanging it
+        except BaseException as e:  # a bug: fail every open stream instead of hanging it, then tell the server
             log.exception("engine thread crashed")
             self.error = e
             with self._lock:
                 ids = list(self._streams)
             for rid in ids:
                 self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+            if self.on_death is not None:
+                self.on_death(e)
         finally:
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)

@@ -1,13 +1,12 @@
-"""Block accounting for the KV caches (pure Python).
+"""The one allocator of the KV caches (pure Python).
 
-Memory for a sequence's caches is charged in blocks of `block_size` token positions, plus a constant number
-of blocks per resident sequence (`blocks_per_seq`: drafter context windows and other per-request state whose
-size does not grow with the sequence). `kv_cache.py` decides how many bytes one block stands for.
+A sequence owns `seq.block_ids`, in position order: block b of the list holds its positions b·bs .. (b+1)·bs - 1
+in every pool (`models/cache.py` and the drafters' pools), so the ids handed out here ARE the storage; no
+second accounting has to agree with this one. `blocks_per_seq` charges a constant number of extra blocks per
+resident sequence (none of the shipped drafters needs it: their context lives in the pools). `kv_cache.py`
+decides how many bytes one block stands for.
 
-Verbs come in pairs: `can_allocate` / `allocate` / `trim` / `free`. A sequence owns `seq.block_ids`; the
-ids are charge handles. This class is the one authority for admission and preemption; the storage is the
-engine's block pools (`models/cache.py`), sized from this block count so that whatever is admitted here fits
-there (see `kv_cache.py`).
+Verbs come in pairs: `can_allocate` / `allocate` / `trim` / `free`.
 """
 
 from __future__ import annotations

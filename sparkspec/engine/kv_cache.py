@@ -1,27 +1,17 @@
 """How many KV blocks the engine may hand out: bytes per cached position for every cache kind, and a memory budget.
 
-The budget is real memory: the engine preallocates one block pool per cache kind per target layer
-(`sparkspec/models/cache.py`: `CachePools`, `BlockPool`) and every sequence's caches are block tables into them
-(`PagedRows`). A block holds `block_size` rows: positions for the per-position kinds, entries for the compressed
-kinds (one entry per `ratio` positions). Rollback (`truncate`), preemption, finish, abort and disconnect return
-blocks to the pools.
-
-One source of truth: the `BlockManager` (pure Python) decides admission and preemption. It charges a sequence
-`ceil(positions / block_size)` blocks of `bytes_per_block` (every kind of every layer for `block_size` positions)
-plus `blocks_per_seq` for drafter state that does not grow with the sequence (the drafters keep that themselves).
-`num_pool_blocks` sizes each pool so that whatever the BlockManager admits always fits, so a pool never runs out
-for an admitted request (`OutOfBlocks` would be a bug). Per-position pools get `num_blocks - blocks_per_seq` blocks
-(at most that many position blocks are ever charged); compressed pools get one block per `ratio` position blocks,
-plus one per resident sequence for rounding (capped at the per-position count). So what is allocated differs from
-what is charged by: + up to `max_num_seqs` rounding blocks per compressed pool, - `blocks_per_seq` position
-blocks, and the drafters' own state (charged, allocated by the drafter). Rows older than the sliding window are
-kept (the compressor re-pools them after a rollback, see `models/cache.py`); they are charged, not hidden.
+One allocator: the `BlockManager` (pure Python) hands out block ids, and a block id IS a row range in every
+pool of `models/cache.py` (`KVCache`: every cache kind of every target layer) and of the drafter's pools, so
+whatever it admits fits by construction. A block costs `bytes_per_block` = every kind of every layer for
+`block_size` positions (a block's compressed entries are charged to it). Rows older than the sliding window
+are kept (the compressor re-pools them after a rollback); they are charged, not hidden.
 
 Cache kinds per target layer and position (`ModelConfig` names):
   * sliding-window KV latent       head_dim x dtype                         every layer
   * compressor partial state       2 x width x fp32 (kv + gate score)      compressed layers (CSA / HCA)
   * compressed KV entries          head_dim x dtype / ratio                compressed layers
   * indexer partial state + keys   2 x index width x fp32 + index_head_dim x fp32 / ratio   CSA layers
+  * drafter context                draft layers x head_dim x dtype          DSpark / MTP
 """
 
 from __future__ import annotations
@@ -34,32 +24,23 @@ from sparkspec.config import ModelConfig
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def cache_bytes_per_token(cfg: ModelConfig) -> dict[str, int]:
-    """Bytes one cached position costs, per cache kind, summed over the target layers."""
+def cache_bytes_per_token(cfg: ModelConfig, block_size: int = 16) -> dict[str, int]:
+    """Bytes one cached position costs, per cache kind, summed over the target layers (the pool layout of
+    `models/cache.py`; a block's compressed entries are charged to its positions, rounded up per block)."""
     elt = DTYPE_BYTES[cfg.torch_dtype]
     kinds = {"swa_kv": 0, "compressor_state": 0, "compressed_kv": 0, "indexer": 0}
     for layer in range(cfg.num_hidden_layers):
         kinds["swa_kv"] += cfg.head_dim * elt
         ratio = cfg.compress_ratio(layer)
         if ratio > 1:
+            entries = -(-block_size // ratio)  # per block
             width = cfg.head_dim * (2 if ratio == 4 else 1)
             kinds["compressor_state"] += 2 * width * 4
-            kinds["compressed_kv"] += -(-cfg.head_dim * elt // ratio)
+            kinds["compressed_kv"] += -(-entries * cfg.head_dim * elt // block_size)
             if cfg.layer_types[layer] == "compressed_sparse_attention":
                 iwidth = cfg.index_head_dim * (2 if ratio == 4 else 1)
-                kinds["indexer"] += 2 * iwidth * 4 + -(-cfg.index_head_dim * 4 // ratio)
+                kinds["indexer"] += 2 * iwidth * 4 + -(-entries * cfg.index_head_dim * 4 // block_size)
     return kinds
-
-
-def drafter_bytes_per_seq(cfg: ModelConfig, method: str, num_spec_tokens: int) -> int:
-    """Per-request drafter state that does not grow with the sequence (context windows of the draft layers)."""
-    elt = DTYPE_BYTES[cfg.torch_dtype]
-    if method == "dspark":
-        rows = cfg.sliding_window + num_spec_tokens + 1
-        return cfg.num_dspark_layers * rows * cfg.head_dim * elt
-    if method == "mtp":
-        return max(cfg.num_nextn_predict_layers, 1) * (cfg.sliding_window + num_spec_tokens + 1) * cfg.head_dim * elt
-    return 0
 
 
 @dataclass
@@ -67,25 +48,15 @@ class KVCachePlan:
     block_size: int  # positions per block
     num_blocks: int
     bytes_per_block: int
-    blocks_per_seq: int  # fixed per-request charge (drafter state)
     bytes_per_token: dict[str, int]  # per cache kind
     budget_bytes: int
     source: str  # how the budget was chosen
-
-    def num_pool_blocks(self, ratio: int, max_num_seqs: int) -> int:
-        """Blocks for one pool: per-position kinds (ratio 1) or compressed kinds of a layer with this ratio.
-        S resident sequences holding k_i position blocks need sum ceil(k_i / ratio) <= K / ratio + S compressed
-        blocks, and never more than K (K = position blocks charged <= num_blocks - blocks_per_seq)."""
-        positions = self.num_blocks - self.blocks_per_seq
-        if ratio <= 1:
-            return positions
-        return min(positions, -(-positions // ratio) + max_num_seqs)
 
     def describe(self) -> str:
         kinds = ", ".join(f"{k} {v} B" for k, v in self.bytes_per_token.items() if v)
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} positions = "
                 f"{self.num_blocks * self.block_size} positions, {self.budget_bytes / 2**20:.1f} MiB "
-                f"({self.source}); per position: {kinds}; +{self.blocks_per_seq} blocks per request for drafter state")
+                f"({self.source}); per position: {kinds}")
 
 
 def available_memory_bytes(device: str = "cpu") -> int:
@@ -108,16 +79,16 @@ def available_memory_bytes(device: str = "cpu") -> int:
 
 def plan_kv_cache(cfg: ModelConfig, *, block_size: int = 16, max_num_seqs: int = 64, max_model_len: int | None = None,
                   kv_cache_memory: int | None = None, memory_fraction: float | None = None, device: str = "cpu",
-                  spec_method: str = "none", num_spec_tokens: int = 0) -> KVCachePlan:
-    """Size the block pool. Precedence: an explicit byte budget (`--kv-cache-memory`), else a fraction of the
+                  drafter_bytes_per_token: int = 0) -> KVCachePlan:
+    """Size the pools. Precedence: an explicit byte budget (`--kv-cache-memory`), else a fraction of the
     free memory (`memory_fraction`), else enough for `max_num_seqs` requests of `max_model_len` positions,
     capped at 90% of the free memory."""
     if block_size < 1:
         raise ValueError(f"block_size = {block_size}: expected a positive integer")
-    per_token = cache_bytes_per_token(cfg)
+    per_token = cache_bytes_per_token(cfg, block_size)
+    if drafter_bytes_per_token:
+        per_token["drafter"] = drafter_bytes_per_token
     bytes_per_block = block_size * sum(per_token.values())
-    per_seq = drafter_bytes_per_seq(cfg, spec_method, num_spec_tokens)
-    blocks_per_seq = -(-per_seq // bytes_per_block)
     max_len = max_model_len or cfg.max_position_embeddings
     if kv_cache_memory is not None:
         if kv_cache_memory <= 0:
@@ -128,17 +99,16 @@ def plan_kv_cache(cfg: ModelConfig, *, block_size: int = 16, max_num_seqs: int =
             raise ValueError(f"memory_fraction = {memory_fraction}: expected a number in (0, 1]")
         budget, source = int(available_memory_bytes(device) * memory_fraction), f"{memory_fraction:.0%} of free memory"
     else:
-        need = max_num_seqs * (-(-max_len // block_size) + blocks_per_seq) * bytes_per_block
+        need = max_num_seqs * -(-max_len // block_size) * bytes_per_block
         cap = int(0.9 * available_memory_bytes(device))
         if need <= cap:
             budget, source = need, f"{max_num_seqs} sequences x {max_len} positions"
         else:
             budget, source = cap, "90% of free memory"
     num_blocks = budget // bytes_per_block
-    if num_blocks < 1 + blocks_per_seq:
-        raise ValueError(f"KV cache budget {budget} bytes holds {num_blocks} blocks of {bytes_per_block} bytes; "
-                         f"at least {1 + blocks_per_seq} are needed for one request")
-    return KVCachePlan(block_size, int(num_blocks), bytes_per_block, blocks_per_seq, per_token, budget, source)
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget {budget} bytes holds no block of {bytes_per_block} bytes")
+    return KVCachePlan(block_size, int(num_blocks), bytes_per_block, per_token, budget, source)
 
 
 def parse_memory(text: str) -> int:

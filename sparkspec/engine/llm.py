@@ -1,4 +1,8 @@
-"""LLM: the offline API. `LLM(model=DIR, speculative="dspark").generate(prompts, SamplingParams(...))`."""
+"""LLM: the offline API. `LLM(model=DIR, speculative="dspark").generate(prompts, SamplingParams(...))`.
+
+Every tool that generates text offline (`sparkspec generate`, `sparkspec eval`, `train regenerate`, tests) goes
+through this class or `LLMEngine` directly, so there is one generation path to keep exact.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +13,41 @@ from sparkspec.engine.llm_engine import LLMEngine, RequestOutput
 from sparkspec.sampling_params import SamplingParams
 
 
-class LLM:
-    def __init__(self, model: str | Path, speculative: str = "none", num_spec_tokens: int | None = None,
-                 spec_budget: str = "adaptive", device: str | None = None, dtype: str | None = None, **engine_kw):
-        """`model`: a checkpoint directory; `speculative`: none | dspark | mtp | ngram; other keywords go to
-        `EngineConfig` (max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size, ...)."""
-        from sparkspec.checkpoint import load_checkpoint
+def has_dspark_weights(checkpoint) -> bool:
+    """The checkpoint's config declares a DSpark drafter and its weights are present."""
+    return checkpoint.config.has_dspark and any(k.endswith("main_proj.weight") for k in checkpoint.drafter_tensors)
 
-        self.checkpoint = load_checkpoint(model, device=device, dtype=dtype)
+
+def default_spec_method(checkpoint) -> str:
+    """`speculative="auto"`: DSpark when the checkpoint ships it (the method this project is about), else none."""
+    return "dspark" if has_dspark_weights(checkpoint) else "none"
+
+
+class LLM:
+    def __init__(self, model, speculative: str = "none", num_spec_tokens: int | None = None,
+                 spec_budget: str = "adaptive", device: str | None = None, dtype: str | None = None, **engine_kw):
+        """`model`: a checkpoint directory, or a `LoadedCheckpoint` already in memory (several engines can then
+        share one model); `speculative`: none | dspark | mtp | ngram | auto; other keywords go to
+        `EngineConfig` (max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_memory, block_size, ...)."""
+        if isinstance(model, (str, Path)):
+            from sparkspec.checkpoint import load_checkpoint
+
+            model = load_checkpoint(model, device=device, dtype=dtype)
+        self.checkpoint = model
+        self.method = default_spec_method(model) if speculative == "auto" else speculative
         engine_kw.setdefault("max_waiting", 1 << 20)
-        config = EngineConfig(speculative=speculative, num_spec_tokens=num_spec_tokens, spec_budget=spec_budget,
+        config = EngineConfig(speculative=self.method, num_spec_tokens=num_spec_tokens, spec_budget=spec_budget,
                               **engine_kw)
-        self.engine = LLMEngine(self.checkpoint.model, self.checkpoint.tokenizer, config,
-                                self.checkpoint.drafter_tensors)
+        self.engine = LLMEngine(model.model, model.tokenizer, config, model.drafter_tensors)
 
     @property
     def tokenizer(self):
         return self.checkpoint.tokenizer
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Drafts per step the engine plans at most (0 without speculation)."""
+        return self.engine.spec.num_spec_tokens if self.engine.spec is not None else 0
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -1,20 +1,21 @@
-"""LLMEngine: requests in, tokens out, one step at a time. The step reads: schedule -> run (propose -> budget ->
-verify -> commit / roll back) -> append tokens and stop checks -> release finished requests -> emit outputs."""
+"""LLMEngine: requests in, tokens out, one step at a time. The step reads: schedule -> choose drafts (budget) ->
+execute (verify -> accept -> propose next drafts, one device->host copy) -> commit -> emit."""
 
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from dataclasses import dataclass, field
 
 from sparkspec.engine.block_manager import BlockManager
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.kv_cache import KVCachePlan, plan_kv_cache
-from sparkspec.engine.model_runner import ModelRunner
-from sparkspec.engine.scheduler import Scheduler, SchedulerConfig
+from sparkspec.engine.model_runner import ModelRunner, StepResult
+from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from sparkspec.engine.sequence import Sequence
-from sparkspec.models.cache import CachePools
 from sparkspec.sampling_params import SamplingParams
+from sparkspec.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -60,7 +61,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, drafter_tensors=None,
                  proposer=None):
-        """`proposer`: a ready `sparkspec.spec_decode.Proposer` to use instead of building `config.speculative`'s."""
+        """`proposer`: a ready drafter (`sparkspec.spec_decode.Proposer` or `HostProposer`) to use instead of
+        building `config.speculative`'s."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -69,31 +71,32 @@ class LLMEngine:
         self.eos_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
-        self.runner = ModelRunner(model)
         self.spec = None
-        num_lookahead = 0
         if config.speculative != "none" or proposer is not None:
             from sparkspec.engine.spec_runner import SpecRunner
 
-            self.spec = SpecRunner(self.runner, config, drafter_tensors or {}, proposer)
-            num_lookahead = self.spec.num_spec_tokens
+            self.spec = SpecRunner(model, config, drafter_tensors or {}, proposer)
+        self.runner = ModelRunner(model, self.spec.proposer if self.spec else None)
+        num_lookahead = self.spec.num_spec_tokens if self.spec else 0
         device = "cpu" if self.runner.device.type == "cpu" else str(self.runner.device)
         self.kv_plan: KVCachePlan = plan_kv_cache(
             cfg, block_size=config.block_size, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             kv_cache_memory=config.kv_cache_memory, memory_fraction=config.memory_fraction, device=device,
-            spec_method=config.speculative, num_spec_tokens=num_lookahead)
-        bm = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size, self.kv_plan.blocks_per_seq)
-        self.runner.pools = CachePools(  # sized so that whatever the block manager admits fits (see kv_cache.py)
-            model, self.kv_plan.block_size, lambda ratio: self.kv_plan.num_pool_blocks(ratio, config.max_num_seqs))
+            drafter_bytes_per_token=self.spec.proposer.bytes_per_position() if self.spec else 0)
+        self.runner.allocate(self.kv_plan.num_blocks, self.kv_plan.block_size)  # block ids ARE pool rows
+        bm = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens,
                                                                          1 + num_lookahead),
             max_model_len=self.max_model_len, num_lookahead_tokens=num_lookahead, max_waiting=config.max_waiting,
             enable_chunked_prefill=config.enable_chunked_prefill), bm)
+        if self.spec is not None:
+            self.spec.start(self.runner)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._max_stop_len: dict[str, int] = {}
+        self._rng = random.Random()
 
     # ---- requests ----
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -120,7 +123,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(seq_id, prompt_ids, params, request_id=request_id)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(seq_id, prompt_ids, params, request_id=request_id, seed=seed)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)  # raises ValueError / QueueFullError before anything is recorded
         self.requests[request_id] = seq
         self._max_stop_len[request_id] = max((len(s) for s in params.stop), default=0)
@@ -135,8 +141,6 @@ class LLMEngine:
         self._max_stop_len.pop(request_id, None)
         if not seq.is_finished:
             self.stats.num_aborted += 1
-        if self.spec is not None and seq.drafter_state is not None:
-            self.spec.proposer.finish([seq])
         self.scheduler.abort(seq)
         return True
 
@@ -145,24 +149,53 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
+        """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> emit."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        self.stats.num_decode_rows += sum(1 for it in sched.scheduled if it.samples and it.seq.output_ids)
-        if self.spec is not None:
-            new_tokens = self.spec.run(sched, self.append, self.stats)
-        else:
-            new_tokens = self.runner.run_plain(sched.scheduled)
-            for seq, tokens in new_tokens.items():
-                self.append(seq, tokens)
+        items = sched.scheduled
+        drafts, rows = self.spec.choose(items) if self.spec else ([[] for _ in items], [-1] * len(items))
+        k_next = self.spec.plan(items, self.stats) if self.spec else 0
+        result = self.runner.execute(items, drafts, self.spec.draft_probs if self.spec else None, rows, k_next)
+        produced = self.commit(items, drafts, result, k_next)
+        return self.emit(items, produced)
+
+    def commit(self, items: list[ScheduledSeq], drafts: list[list[int]], result: StepResult, k_next: int
+               ) -> dict[Sequence, list[int]]:
+        """Sequences advance by their chunk and accepted drafts (the caches need nothing: rows past a sequence's
+        length are never read), produced tokens are appended with the stop checks, and drafts for the next step
+        are kept. -> {seq: tokens appended}."""
         self.stats.num_steps += 1
-        outputs = []
-        for seq in self.scheduler.update():
-            self.stats.num_finished += 1
-        for it in sched.scheduled:
+        self.stats.num_decode_rows += sum(1 for it in items if it.samples and it.seq.output_ids)
+        if self.spec is not None:
+            self.spec.draft_probs = result.draft_probs
+        produced, host_drafting = {}, []
+        for i, it in enumerate(items):
             seq = it.seq
-            if seq in new_tokens or seq.is_finished:
-                outputs.append(self.output(seq, new_tokens.get(seq, [])))
+            seq.num_cached_tokens += it.num_tokens
+            row = result.rows.get(i)
+            if row is None:
+                continue
+            seq.num_cached_tokens += row.num_accepted
+            if self.spec is not None:
+                self.spec.record(seq, len(drafts[i]), row.num_accepted, self.stats)
+                self.spec.keep(seq, row.next_drafts, row.next_confidences, result.draft_row[i])
+            before = len(seq.output_ids)
+            self.append(seq, row.token_ids)
+            produced[seq] = seq.output_ids[before:]
+            if self.spec is not None and not self.spec.proposer.on_device and not seq.is_finished:
+                host_drafting.append(seq)
+        if host_drafting:
+            self.spec.propose_host(host_drafting, k_next)
+        return produced
+
+    def emit(self, items: list[ScheduledSeq], produced: dict[Sequence, list[int]]) -> list[RequestOutput]:
+        self.stats.num_finished += len(self.scheduler.update())
+        outputs = []
+        for it in items:
+            seq = it.seq
+            if seq in produced or seq.is_finished:
+                outputs.append(self.output(seq, produced.get(seq, [])))
                 if seq.is_finished:
                     self.requests.pop(seq.request_id, None)
                     self._max_stop_len.pop(seq.request_id, None)
@@ -173,8 +206,10 @@ class LLMEngine:
         p = seq.params
         if tokens and seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
+        new = []
         for tok in tokens:
             seq.output_ids.append(tok)
+            new.append(tok)
             self.stats.num_generation_tokens += 1
             if tok in self.eos_ids and not p.ignore_eos:
                 seq.finish("stop")
@@ -182,25 +217,29 @@ class LLMEngine:
                 seq.finish("length")
             if seq.is_finished:
                 break
-        self.update_text(seq)
+        self.update_text(seq, new)
 
-    def update_text(self, seq: Sequence) -> None:
-        if self.tokenizer is None:
+    def update_text(self, seq: Sequence, new: list[int]) -> None:
+        """Extend the text incrementally (O(new tokens)); a stop string cuts it and finishes the request."""
+        if seq.detokenizer is None:
             return
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        hits = [text.index(s) for s in seq.params.stop if s in text]
+        piece = seq.detokenizer.feed(new) + (seq.detokenizer.flush() if seq.is_finished else "")
+        seq.text += piece
+        longest = self._max_stop_len.get(seq.request_id, 0)
+        if not longest:
+            return
+        tail = max(0, len(seq.text) - len(piece) - longest + 1)  # only a stop string ending in the piece is new
+        hits = [h for h in (seq.text.find(s, tail) for s in seq.params.stop) if h >= 0]
         if hits:
-            text = text[: min(hits)]
+            seq.text = seq.text[: min(hits)]
             if not seq.is_finished:
                 seq.finish("stop")
-        seq.text = text
 
     def visible_text(self, seq: Sequence) -> str:
         """Text safe to show while streaming: no incomplete UTF-8 tail, no possible start of a stop string."""
         text = seq.text
         if seq.is_finished:
             return text
-        text = text.rstrip("\ufffd")
         hold = self._max_stop_len.get(seq.request_id, 0) - 1
         return text[: len(text) - hold] if hold > 0 else text
 

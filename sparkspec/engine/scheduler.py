@@ -168,18 +168,15 @@ class Scheduler:
         """Drop a running sequence's caches; it re-enters the queue first and is recomputed later."""
         self.release(seq)
         seq.num_cached_tokens = 0
-        seq.spec.draft_ids, seq.spec.draft_probs, seq.spec.confidences = [], None, None
+        seq.spec.draft_ids, seq.spec.draft_row, seq.spec.confidences = [], -1, None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Give back the sequence's blocks: the charge, and the cache storage behind it (paged pools)."""
+        """Give back the sequence's blocks (its rows in every pool)."""
         self.block_manager.free(seq)
-        if seq.cache is not None:
-            seq.cache.free()
-        seq.cache = seq.drafter_state = None
 
     def update(self) -> list[Sequence]:
         """After a step: release finished sequences and blocks held for rejected drafts -> finished ones."""

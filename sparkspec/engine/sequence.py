@@ -1,4 +1,4 @@
-"""A request's state inside the engine (pure Python; the runner attaches torch objects to `cache`/`generator`).
+"""A request's state inside the engine (pure Python).
 
 Token bookkeeping, one invariant: the model cache of a running sequence holds `all_ids[:num_cached_tokens]`.
 A chunk scheduled for the sequence is `all_ids[num_cached_tokens : num_cached_tokens + n]`; when a chunk reaches
@@ -26,7 +26,7 @@ class SpecState:
     """Per-request speculative state: the drafts proposed for the next verify step, and acceptance counters."""
 
     draft_ids: list[int] = field(default_factory=list)  # [k] proposed tokens following the pending token
-    draft_probs: Any = None  # [k, V] drafter distribution q (None for greedy / deterministic drafters)
+    draft_row: int = -1  # row of the drafter's q tensor holding their distributions (-1: one-hot q)
     confidences: list[float] | None = None  # [k] P(draft j accepted | drafts < j accepted), if the drafter has a head
     num_steps: int = 0  # verify steps with at least one draft
     num_drafted: int = 0  # draft tokens verified
@@ -62,9 +62,8 @@ class Sequence:
     finish_time: float | None = None
     text: str = ""  # detokenized output (stop strings cut), maintained by the engine
     spec: SpecState = field(default_factory=SpecState)
-    cache: Any = None  # the model's per-sequence cache (runner-owned; None when not resident)
-    generator: Any = None  # torch.Generator for seeded sampling (runner-owned)
-    drafter_state: Any = None  # proposer-owned per-request state (dropped on preemption)
+    seed: int = 0  # the request's seed, or one drawn at random on arrival: all its randomness derives from it
+    detokenizer: Any = None  # IncrementalDetokenizer (engine-owned; None without a tokenizer)
 
     @property
     def all_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ from sparkspec.config import CSA, ModelConfig, yarn_inv_freq
 from sparkspec.models.cache import entries_per_block
 from sparkspec.models.forward_batch import ForwardBatch
 from sparkspec.ops import ops
+from sparkspec.ops.moe import expert_weights, swiglu
 
 FP32_PARAM_SUFFIXES = ("attn_sink", "ape", "gate.bias", "hc_attn_fn", "hc_attn_base", "hc_attn_scale",
                        "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "hc_head_fn", "hc_head_base", "hc_head_scale")
@@ -34,6 +35,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (self.weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def fp32_weight(linear: nn.Module) -> torch.Tensor:
+    """`linear.weight` in fp32, cast once and kept on the module (not copied on every call; recast if the weight
+    is replaced or moved). Under autograd the live parameter is used so that gradients reach it."""
+    w = linear.weight
+    if w.dtype == torch.float32 or torch.is_grad_enabled():
+        return w.float()
+    cached = getattr(linear, "_fp32_weight", None)
+    if cached is None or cached[0] is not w or cached[1].device != w.device:
+        cached = linear._fp32_weight = (w, w.detach().float())
+    return cached[1]
 
 
 def rms_noweight(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -249,17 +262,13 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = F.linear(x.float(), fp32_weight(self.gate))
         hash_ids = self.gate.tid2eid[input_ids] if self.is_hash else None
         weights, ids = ops.moe_route(logits, self.gate.bias, hash_ids, cfg.num_experts_per_tok, cfg.scoring_func,
                                      cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        w1 = [e.w1.weight for e in self.experts]  # lists, not stacks: no weight copy per forward
-        w2 = [e.w2.weight for e in self.experts]
-        w3 = [e.w3.weight for e in self.experts]
-        routed = ops.moe_experts(x, w1, w2, w3, weights, ids, cfg.swiglu_limit)
+        w13, w2 = expert_weights(self)  # stacked once (views share the parameters' storage)
+        routed = ops.moe_experts(x, w13, w2, weights, ids, cfg.swiglu_limit)
         se = self.shared_experts
-        from sparkspec.ops.moe import swiglu
-
         shared = se.w2(swiglu(se.w1(x), se.w3(x), cfg.swiglu_limit))
         return routed + shared
 
@@ -315,7 +324,6 @@ class DeepseekV4Model(nn.Module):
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * H))
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
-        self._head_fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight it was cast from, fp32 copy)
 
     @property
     def compress_ratios(self) -> tuple[int, ...]:
@@ -323,19 +331,9 @@ class DeepseekV4Model(nn.Module):
         return tuple(sorted({layer.attn.ratio for layer in self.layers if layer.attn.ratio > 1}))
 
     # -- drafter interface --
-    def head_weight_fp32(self) -> torch.Tensor:
-        """The LM head in fp32, cast once (not on every call) and recast only if the weight is replaced;
-        under autograd the live parameter is used so gradients reach it."""
-        w = self.head.weight
-        if w.dtype == torch.float32 or torch.is_grad_enabled():
-            return w.float()
-        if self._head_fp32 is None or self._head_fp32[0] is not w or self._head_fp32[1].device != w.device:
-            self._head_fp32 = (w, w.detach().float())
-        return self._head_fp32[1]
-
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] (pre-norm hc_head output) -> logits [T, V] fp32 with the shared norm and head."""
-        return F.linear(self.norm(h).float(), self.head_weight_fp32())
+        return F.linear(self.norm(h).float(), fp32_weight(self.head))
 
     def collapse(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg

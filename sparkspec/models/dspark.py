@@ -36,13 +36,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkspec.config import ModelConfig
-from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Block, RMSNorm
+from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Block, RMSNorm, fp32_weight
 from sparkspec.models.random_init import random_tensors
 from sparkspec.models.weights import CheckpointError, load_state
 from sparkspec.ops import ops
 from sparkspec.ops.indices import dspark_block_indices
 
 CONFIDENCE_SUFFIX = "confidence_head.proj.weight"
+
+
+def context_rows(ctx_ranges: torch.Tensor, window: int) -> torch.Tensor:
+    """Blocks whose contexts are concatenated: ctx_ranges [B, 2] (start, end) rows -> the last `window` rows of
+    each range [B, W], oldest first, -1 where the range is shorter."""
+    rows = ctx_ranges[:, 1:2] - window + torch.arange(window, device=ctx_ranges.device)  # [B, W]
+    return torch.where(rows >= ctx_ranges[:, 0:1], rows, -1)
 
 
 def require_dspark_config(cfg: ModelConfig) -> None:
@@ -166,31 +173,14 @@ class DSparkDraftModel(nn.Module):
         return torch.sigmoid(logits)
 
     # ---- the block forward (training and inference) ----
-    def block_indices(self, ctx_ranges: torch.Tensor, k: int, num_ctx_rows: int) -> torch.Tensor:
-        """Pool rows for every block row -> [B·k, dspark_index_width(window, k)].
-
-        Block b reads context rows ctx_ranges[b] = (start, end) of the concatenated context (only the last
-        `window` of them) and its own k block rows at pool rows num_ctx_rows + b·k + (0..k-1)."""
-        dev = ctx_ranges.device
-        start, end = ctx_ranges[:, 0].tolist(), ctx_ranges[:, 1].tolist()
-        n_ctx = [min(e - s, self.window) for s, e in zip(start, end)]
-        local_of = {n: dspark_block_indices(n, k, self.window, dev)[0] for n in set(n_ctx)}  # [W] per count
-        local = torch.stack([local_of[n] for n in n_ctx])  # [B, W]
-        n = torch.tensor(n_ctx, device=dev).unsqueeze(1)
-        ctx_base = (ctx_ranges[:, 1:2] - n)  # first context row read by each block
-        blk_base = num_ctx_rows + torch.arange(len(n_ctx), device=dev).unsqueeze(1) * k - n
-        glob = torch.where(local < n, ctx_base + local, blk_base + local)
-        glob = torch.where(local < 0, torch.full_like(local, -1), glob)
-        return glob.repeat_interleave(k, dim=0)
-
     def forward_block(
         self,
         embed: nn.Embedding,  # the target's shared embedding
         head: nn.Linear,  # the target's shared LM head
         block_ids: torch.Tensor,  # [B, k] anchor then noise (training may pass any ids)
         start_positions: torch.Tensor,  # [B] position of row 0 (the anchor) = last committed position + 1
-        ctx_kv: list[torch.Tensor],  # per stage [C, D] context rows (from `context_kv`), blocks' contexts concatenated
-        ctx_ranges: torch.Tensor,  # [B, 2] (start, end) rows of ctx_kv preceding each block, oldest first
+        ctx_kv: list[torch.Tensor],  # per stage [C, D] context rows (from `context_kv`) of every block
+        ctx_rows: torch.Tensor,  # [B, W] rows of ctx_kv each block reads, oldest first, -1 = none
         prev_ids: torch.Tensor | None = None,  # [B, k] Markov predecessors (teacher forcing); None = U only
     ) -> DSparkBlockOutput:
         """One parallel pass of all stages over B blocks of k rows (DSpark paper: parallel backbone, then the
@@ -200,15 +190,14 @@ class DSparkDraftModel(nn.Module):
         dev = block_ids.device
         ids = block_ids.reshape(-1)  # [T]
         positions = (start_positions.unsqueeze(1) + torch.arange(k, device=dev)).reshape(-1)  # [T]
-        num_ctx_rows = ctx_kv[0].shape[0]
-        indices = self.block_indices(ctx_ranges, k, num_ctx_rows)  # [T, W]
+        indices = dspark_block_indices(ctx_rows, ctx_kv[0].shape[0], k)  # [T, W + k]
         x = embed(ids).to(self.first.attn_norm.weight.dtype)
         x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, n, H]
         for stage, kv in zip(self.mtp, ctx_kv):
             x = stage(x, positions, ids, lambda h, s=stage, kv=kv: s.block_attention(h, positions, kv, indices))
         last = self.last
         hidden = ops.hc_head(x, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
-        base = F.linear(last.norm(hidden).float(), head.weight.float()).view(B, k, -1)  # [B, k, V]
+        base = F.linear(last.norm(hidden).float(), fp32_weight(head)).view(B, k, -1)  # [B, k, V]
         hidden = hidden.view(B, k, -1)
         out = DSparkBlockOutput(hidden=hidden, base_logits=base)
         if prev_ids is not None:

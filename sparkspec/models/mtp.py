@@ -31,17 +31,17 @@ its own tensors (`find_mtp_stages`, `init_drafter_tensors`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sparkspec.config import ModelConfig
-from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Block, RMSNorm
+from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Attention, Block, RMSNorm, fp32_weight
 from sparkspec.models.random_init import random_tensors
 from sparkspec.models.weights import CheckpointError, load_state
 from sparkspec.ops import ops
-from sparkspec.ops.indices import swa_index_width
 
 
 def find_mtp_stages(tensors: dict[str, torch.Tensor]) -> list[int]:
@@ -50,15 +50,6 @@ def find_mtp_stages(tensors: dict[str, torch.Tensor]) -> list[int]:
     if stages and stages != list(range(stages[0], stages[0] + len(stages))):
         raise CheckpointError(f"MTP drafter: layers must be consecutive stages, found mtp.{stages} with e_proj")
     return stages
-
-
-def causal_window_indices(query_pos: torch.Tensor, pool_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """query_pos [T], pool_pos [R] -> [T, swa_index_width(window)] pool rows with pos in (q - window, q], -1 pad."""
-    ok = (pool_pos.unsqueeze(0) <= query_pos.unsqueeze(1)) & (pool_pos.unsqueeze(0) > query_pos.unsqueeze(1) - window)
-    rows = torch.where(ok, torch.arange(pool_pos.numel(), device=pool_pos.device), -1)  # [T, R]
-    width = swa_index_width(window)
-    rows = rows.sort(dim=1, descending=True).values[:, :width]  # valid rows first (at most `window` of them)
-    return F.pad(rows, (0, width - rows.shape[1]), value=-1)
 
 
 class MTPLayer(Block):
@@ -98,39 +89,20 @@ class MTPDraftModel(nn.Module):
         self,
         step: int,
         embed: nn.Embedding,  # the target's shared embedding
-        prev_streams: torch.Tensor,  # [T, n·H]
+        prev_streams: torch.Tensor,  # [T, n·H] the target's (or this layer's previous) output streams
         next_ids: torch.Tensor,  # [T] the token following each row's position
         positions: torch.Tensor,  # [T]
-        pools: list[tuple[torch.Tensor, torch.Tensor]],  # per sequence: earlier K=V rows [R, D] and their positions [R]
-        spans: list[tuple[int, int]],  # rows of sequence r
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of layer `layer(step)` over a ragged batch -> (output streams [T, n·H], their K=V rows [T, D]).
-
-        Each row attends causally (sliding window) to its sequence's pool rows and its own earlier rows."""
+        attend: Callable[[Attention, torch.Tensor, torch.Tensor], torch.Tensor],  # (attn, normed h, positions) -> [T, H]
+    ) -> torch.Tensor:
+        """Rows of layer `layer(step)` -> output streams [T, n·H]. `attend` decides where the layer's K=V rows
+        go and which rows each query reads (the caller's pool and index lists)."""
         cfg, layer = self.cfg, self.layer(step)
         T, n, H = prev_streams.shape[0], cfg.hc_mult, cfg.hidden_size
         e = embed(next_ids).to(layer.e_proj.weight.dtype)
         e = e.masked_fill((positions == 0).unsqueeze(1), 0.0)  # [T, H]
         x = layer.h_proj(layer.hnorm(prev_streams.view(T, n, H).to(e.dtype))) + layer.e_proj(layer.enorm(e)).unsqueeze(1)
-        new_kv = {}
-
-        def attend(h: torch.Tensor) -> torch.Tensor:
-            a = layer.attn
-            q, _ = a.project_q(h, positions)
-            kv = new_kv["kv"] = a.project_kv(h, positions)  # [T, D]
-            all_kv, index_rows, offset = [], [], 0
-            for (pool_kv, pool_pos), (s, e) in zip(pools, spans):
-                pk = torch.cat([pool_kv.to(kv.dtype), kv[s:e]])
-                pp = torch.cat([pool_pos, positions[s:e]])
-                idx = causal_window_indices(positions[s:e], pp, self.window)
-                index_rows.append(torch.where(idx >= 0, idx + offset, idx))
-                all_kv.append(pk)
-                offset += pk.shape[0]
-            o = ops.sparse_attention(q, torch.cat(all_kv), torch.cat(index_rows), a.attn_sink, a.scale)
-            return a.project_out(o, positions)
-
-        x = layer(x.contiguous(), positions, next_ids, attend)  # [T, n, H]
-        return x.flatten(1), new_kv["kv"]
+        x = layer(x.contiguous(), positions, next_ids, lambda h: attend(layer.attn, h, positions))  # [T, n, H]
+        return x.flatten(1)
 
     def logits(self, step: int, streams: torch.Tensor, target_norm: nn.Module, head: nn.Linear) -> torch.Tensor:
         """streams [T, n·H] of layer(step) -> logits [T, V] fp32."""
@@ -138,7 +110,7 @@ class MTPDraftModel(nn.Module):
         x = streams.view(streams.shape[0], cfg.hc_mult, cfg.hidden_size)
         h = ops.hc_head(x, layer.hc_head_fn, layer.hc_head_scale, layer.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
         norm = layer.norm if layer.norm is not None else target_norm
-        return F.linear(norm(h).float(), head.weight.float())
+        return F.linear(norm(h).float(), fp32_weight(head))
 
     # ---- construction ----
     @classmethod

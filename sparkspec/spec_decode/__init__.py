@@ -1,7 +1,8 @@
-"""Speculative decoding: drafters (DSpark, MTP, n-gram), lossless verification, metrics.
+"""Speculative decoding: drafters (DSpark, MTP, n-gram), lossless verification, metrics. The engine
+(`sparkspec.engine`) runs them:
 
     proposer = build_proposer("dspark", model, drafter_tensors, num_spec_tokens=None)
-    seqs = SpeculativeGenerator(model, tokenizer, proposer).generate(prompts, params)
+    outputs = LLMEngine(model, tokenizer, proposer=proposer).generate(prompts, params)
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ import warnings
 import torch
 
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
-from sparkspec.spec_decode.decode import SpeculativeGenerator
 from sparkspec.spec_decode.metrics import SpecMetrics
-from sparkspec.spec_decode.proposer import CommittedRows, Draft, Proposer
-from sparkspec.spec_decode.rejection import RejectionSampler, Verdict
+from sparkspec.spec_decode.proposer import DraftBatch, HostProposer, Proposer, StepRows
+from sparkspec.spec_decode.rejection import RejectionSampler
 
 METHODS = ("dspark", "mtp", "ngram")
 DEFAULT_NGRAM_TOKENS = 4
 
-__all__ = ["METHODS", "CommittedRows", "Draft", "Proposer", "RejectionSampler", "SpecMetrics",
-           "SpeculativeGenerator", "Verdict", "build_proposer", "default_num_spec_tokens"]
+__all__ = ["METHODS", "DraftBatch", "HostProposer", "Proposer", "RejectionSampler", "SpecMetrics", "StepRows",
+           "build_proposer", "default_num_spec_tokens"]
 
 
 def default_num_spec_tokens(method: str, model: DeepseekV4Model) -> int:
@@ -38,7 +38,7 @@ def _place(drafter: torch.nn.Module, model: DeepseekV4Model) -> torch.nn.Module:
 
 
 def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[str, torch.Tensor] | None = None,
-                   num_spec_tokens: int | None = None) -> Proposer:
+                   num_spec_tokens: int | None = None) -> Proposer | HostProposer:
     """A drafter for `model`. `drafter_tensors`: the checkpoint's `mtp.*` tensors (others are ignored).
 
     Errors (ValueError, one line): unknown method, num_spec_tokens < 1, no DSpark / MTP weights or config.

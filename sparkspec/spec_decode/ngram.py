@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparkspec.generation import Sequence
-from sparkspec.spec_decode.proposer import EMPTY_DRAFT, Draft, Proposer
+from sparkspec.spec_decode.proposer import HostProposer
 
 
 def lookup(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -25,7 +24,7 @@ def lookup(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     return []
 
 
-class NgramProposer(Proposer):
+class NgramProposer(HostProposer):
     method = "ngram"
 
     def __init__(self, num_spec_tokens: int, max_ngram: int = 3, min_ngram: int = 1):
@@ -34,6 +33,5 @@ class NgramProposer(Proposer):
             raise ValueError(f"ngram sizes: expected 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
-        return [Draft(lookup(s.all_ids, k, self.max_ngram, self.min_ngram)) if k > 0 else EMPTY_DRAFT
-                for s, k in zip(seqs, num_tokens)]
+    def propose_ids(self, token_ids: list[list[int]], k: int) -> list[list[int]]:
+        return [lookup(ids, k, self.max_ngram, self.min_ngram) for ids in token_ids]

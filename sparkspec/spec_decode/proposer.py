@@ -1,89 +1,108 @@
 """The drafter interface shared by every speculative method (DSpark, MTP, n-gram, test drafters).
 
-Legend: k drafts of one request, V vocabulary, T rows of a target forward, m tapped layers, n hc streams, H hidden.
+Legend: T rows of the step's target forward, R requests that drafts are proposed for, k drafts per request,
+V vocabulary, W window, D latent width.
 
-Protocol, per request (see `sparkspec.spec_decode.decode`): the target cache holds the committed tokens 0..N-1 and
-the pending token b (the target's last sample) sits at position N.
+Drafts are proposed at the END of a step, for the next one: right after the rejection sampler, on the device,
+from the rows the target just scored. The one device->host copy that ends the step then carries the accepted
+counts, the emitted tokens AND the next drafts with their confidences, so the next step knows on the host how
+many drafts each request verifies (the budget reads the confidences) and builds its batch without waiting on
+the device.
 
-1. `start(seqs)` before the prompt is prefilled;
-2. `observe(step)` after every target forward, with the rows the target COMMITTED (prefill: the whole
-   prompt; verify: b and the accepted drafts) and their captured outputs — a drafter's state only ever
-   holds committed tokens, so a rejected draft leaves nothing behind;
-3. `propose(seqs, num_tokens)` drafts up to num_tokens[r] tokens following b (positions N+1..);
-4. `finish(seqs)` frees the state of finished requests.
+Two kinds of drafter:
+* device drafters (`Proposer`: DSpark, MTP) keep their context in paged pools addressed by the target's block
+  tables, one row per position, written for every row of every step. A row of a rejected draft is written too,
+  and overwritten by the step that commits its position before anything reads it, so rollback is free.
+* host drafters (`HostProposer`: n-gram, test drafters) look at the committed token ids after the copy.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from sparkspec.generation import Sequence
+from sparkspec.models.deepseek_v4 import ModelOutput
+from sparkspec.models.forward_batch import ForwardBatch
+from sparkspec.ops.indices import window_rows
+from sparkspec.ops.sampling import SamplingTensors
 
 
 @dataclass
-class Draft:
-    """Drafts for one request."""
+class DraftBatch:
+    """Drafts for R requests: token d_i follows the pending token b (d_0 at b's position + 1)."""
 
-    token_ids: list[int]  # [k] d_0..d_{k-1}, following the pending token
-    probs: torch.Tensor | None = None  # [k, V] fp32 the exact distribution each d_i was drawn from; None = one-hot
-    confidences: torch.Tensor | None = None  # [k] P(d_i accepted | d_<i accepted) from a confidence head
-
-    def __post_init__(self) -> None:
-        if self.probs is not None and self.probs.shape[0] != len(self.token_ids):
-            raise ValueError(f"draft probs cover {self.probs.shape[0]} rows for {len(self.token_ids)} tokens")
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-EMPTY_DRAFT = Draft([])
+    token_ids: torch.Tensor  # [R, k] int64
+    probs: torch.Tensor | None = None  # [R, k, V] fp32 the exact q each d_i was drawn from; None = one-hot
+    confidences: torch.Tensor | None = None  # [R, k] P(d_i accepted | d_<i accepted), from a confidence head
 
 
 @dataclass
-class CommittedRows:
-    """What one target forward committed, as the drafters see it."""
+class StepRows:
+    """What a device drafter sees at the end of a step."""
 
-    seqs: list[Sequence]  # requests with committed rows (unfinished after this step)
-    spans: list[tuple[int, int]]  # rows (s, e) of the forward that sequence r committed
-    start_positions: list[int]  # position of row s
-    input_ids: torch.Tensor  # [T] token ids of every row of the forward
-    taps: torch.Tensor | None  # [T, m, H] mean over hc streams of the tapped layers' outputs
-    final_streams: torch.Tensor | None  # [T, n·H] residual streams before hc_head
-
-    def next_ids(self, r: int) -> torch.Tensor:
-        """The token following each committed row of sequence r (the last one is the pending token) -> [e - s]."""
-        s, e = self.spans[r]
-        pending = torch.tensor([self.seqs[r].output_ids[-1]], device=self.input_ids.device)
-        return torch.cat([self.input_ids[s + 1 : e], pending])
+    batch: ForwardBatch  # the step's batch (positions, request rows, block tables)
+    output: ModelOutput  # taps / final streams of every row
+    next_ids: torch.Tensor  # [T] the token that follows each row (emitted tokens on sampled rows; garbage past them)
+    reqs: torch.Tensor  # [R] batch request rows to draft for (those that sampled a token this step)
+    pending_ids: torch.Tensor  # [R] the new pending token b of each
+    pending_pos: torch.Tensor  # [R] its position N (= committed positions)
+    last_rows: torch.Tensor  # [R] forward row of position N - 1 (the last committed row)
+    sampling: SamplingTensors  # [R] the requests' sampling parameters
 
 
 class Proposer(ABC):
-    """A drafter. Subclasses set `method`, and what they need from the target forward."""
+    """A device drafter. Subclasses set `method` and what they need from the target forward."""
 
     method: str = "none"
+    on_device = True
     tap_layers: tuple[int, ...] = ()  # 0-based target layers whose outputs `observe` receives as taps
     needs_final_streams: bool = False  # whether `observe` receives the final residual streams
 
     def __init__(self, num_spec_tokens: int):
         self.num_spec_tokens = num_spec_tokens
-        self.states: dict[int, Any] = {}  # per-request drafter state, keyed by seq_id; dropped in `finish`
+        self.pools: list[torch.Tensor] = []  # per draft layer [N·bs + 1, D] context K=V rows by position
 
-    def start(self, seqs: list[Sequence]) -> None:
-        """New requests are about to be prefilled."""
+    def bytes_per_position(self) -> int:
+        """Pool bytes one cached position costs (charged per block by the engine's KV plan)."""
+        return 0
 
-    def observe(self, step: CommittedRows) -> None:
-        """The target committed `step.spans` rows for `step.seqs`."""
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the per-position pools for the engine's blocks."""
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
-        """Up to num_tokens[r] drafts after each request's pending token (0 -> EMPTY_DRAFT)."""
+    def observe(self, step: StepRows) -> None:
+        """Write the context of every row of the step (committed or not) into the pools."""
 
-    def finish(self, seqs: list[Sequence]) -> None:
-        """These requests ended; drop their state."""
-        for s in seqs:
-            self.states.pop(s.seq_id, None)
+    @abstractmethod
+    def propose(self, step: StepRows, k: int) -> DraftBatch:
+        """k drafts after each pending token of `step.reqs`."""
+
+    def gather_window(self, pool: torch.Tensor, step: StepRows, window: int) -> torch.Tensor:
+        """The `window` context rows before each pending position -> [R, W, D] (zeros where position < 0)."""
+        b = step.batch
+        rows = window_rows(step.pending_pos, step.reqs, b.block_tables, b.block_size, window)  # [R, W]
+        return torch.where((rows >= 0).unsqueeze(-1), pool[rows.clamp(min=0)], 0)
+
+
+class HostProposer(ABC):
+    """A drafter that looks at token ids only (n-gram lookup, test drafters); runs on the host after the step."""
+
+    method: str = "none"
+    on_device = False
+    tap_layers: tuple[int, ...] = ()
+    needs_final_streams = False
+
+    def __init__(self, num_spec_tokens: int):
+        self.num_spec_tokens = num_spec_tokens
+
+    def bytes_per_position(self) -> int:
+        return 0
+
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        pass
+
+    @abstractmethod
+    def propose_ids(self, token_ids: list[list[int]], k: int) -> list[list[int]]:
+        """Up to k drafts following each request's tokens (prompt + output, the pending token last)."""
