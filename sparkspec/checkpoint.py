@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -158,6 +159,15 @@ def _shards(names: list[str], tensors: dict[str, torch.Tensor], shard_size_bytes
     return shards
 
 
+def _save_file(tensors: dict, path: Path, metadata: dict) -> None:
+    """safetensors' `save_file` writes through a private temporary file (mode 0600); give the weights the mode
+    every other file of the checkpoint gets (0666 less the umask), so whoever may read config.json may load it."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def write_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig,
                      out_dir: str | Path, tokenizer_dir: str | Path | None = None,
                      extra_tensors: dict[str, torch.Tensor] | None = None, shard_size_bytes: int | None = None,
@@ -183,7 +193,7 @@ def write_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tens
         old.unlink(missing_ok=True)
     meta = {"format": "pt"}
     if shard_size_bytes is None:
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata=meta)
+        _save_file(tensors, out_dir / "model.safetensors", meta)
     else:
         if shard_size_bytes < 1:
             raise ValueError(f"shard_size_bytes = {shard_size_bytes}: expected a positive integer")
@@ -191,7 +201,7 @@ def write_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tens
         weight_map = {}
         for i, names in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            save_file({k: tensors[k] for k in names}, str(out_dir / fname), metadata=meta)
+            _save_file({k: tensors[k] for k in names}, out_dir / fname, meta)
             weight_map.update({k: fname for k in names})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

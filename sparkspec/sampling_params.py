@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SEED_MIN, SEED_END = -(2**63), 2**64  # the range torch.Generator.manual_seed accepts
+
 
 @dataclass
 class SamplingParams:
@@ -22,8 +24,12 @@ class SamplingParams:
             raise ValueError(f"temperature = {self.temperature!r}: expected >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p!r}: expected a number in (0, 1]")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k = {self.top_k!r}: expected an integer")
+        if not isinstance(self.top_k, int) or not -(2**63) <= self.top_k < 2**63:  # it becomes an int64 tensor
+            raise ValueError(f"top_k = {self.top_k!r}: expected a 64-bit integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed < SEED_END):
+            # torch's manual_seed takes exactly this range; outside it, it raises inside the engine step
+            raise ValueError(f"seed = {self.seed!r}: expected an integer in [-2**63, 2**64)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
