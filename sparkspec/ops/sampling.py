@@ -1,55 +1,170 @@
-"""Sampling: temperature / top-k / top-p processing and seeded sampling. Legend: B rows, V vocabulary.
+"""Sampling: temperature / top-k / top-p processing and seeded, batch-independent sampling. Legend: R rows,
+V vocabulary.
 
-Sampling uses the exponential race (argmax p / E, E ~ Exp(1)), which equals a categorical draw from p,
-needs no cumulative sum and no host sync, and is reproducible from one torch.Generator per request.
+Everything runs on all rows at once on the device with no host sync. Randomness comes from the counter RNG
+(`sparkspec.ops.rng`): the uniform a row uses is a function of (seed, offset, stream) only, so a seeded
+request gets the same tokens whatever else is in the batch.
+
+Terms:
+* **offset** — the absolute position of the token being produced (the index it will have in the sequence).
+* **stream** — which use of randomness at that position; independent streams keep drafts, accept tests and
+  recovered tokens of speculative decoding (Leviathan et al., arXiv 2211.17192) mutually independent:
+  STREAM_TARGET (plain decoding and bonus tokens), STREAM_DRAFT (drafters), STREAM_ACCEPT (accept tests),
+  STREAM_RESIDUAL (recovered tokens).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sparkspec.ops.registry import native
+from sparkspec.ops.rng import uniform
+from sparkspec.sampling_params import SamplingParams
+
+STREAM_TARGET = 0
+STREAM_DRAFT = 1
+STREAM_ACCEPT = 2
+STREAM_RESIDUAL = 3
 
 
 @native("process_logits")
 def process_logits(
-    logits: torch.Tensor,  # [B, V]
-    temperature: torch.Tensor,  # [B] fp32; rows with 0 are greedy (one-hot on the argmax)
-    top_k: torch.Tensor,  # [B] int; <= 0 disables
-    top_p: torch.Tensor,  # [B] fp32; 1 disables
+    logits: torch.Tensor,  # [R, V]
+    temperature: torch.Tensor,  # [R] fp32; rows with 0 are greedy (one-hot on the argmax)
+    top_k: torch.Tensor,  # [R] int; <= 0 disables
+    top_p: torch.Tensor,  # [R] fp32; 1 disables
+    any_top_k: bool = True,  # host flags: False promises no row uses top-k / top-p (skips the sort)
+    any_top_p: bool = True,
 ) -> torch.Tensor:
-    """The distribution a request samples from -> probs [B, V] fp32 (rows sum to 1)."""
+    """The distribution a request samples from -> probs [R, V] fp32 (rows sum to 1).
+
+    top-k keeps every logit >= the k-th largest (ties at the k-th value are all kept); top-p then keeps the
+    smallest prefix of the sorted distribution whose mass reaches top_p, and renormalises.
+    """
     logits = logits.float()
-    B, V = logits.shape
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature).float().unsqueeze(1)
-    x = logits / t
-    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
-    if bool((k < V).any()):
-        kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (k - 1).long().unsqueeze(1))
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if bool((top_p < 1).any()):
-        sp, si = torch.sort(probs, dim=-1, descending=True)
-        before = sp.cumsum(-1) - sp  # mass strictly above each entry
-        drop = before >= top_p.float().unsqueeze(1)
-        drop[:, 0] = False
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(1, si, sp)
-        probs = probs / probs.sum(-1, keepdim=True)
-    if bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(1), onehot, probs)
-    return probs
+    R, V = logits.shape
+    greedy = (temperature <= 0).unsqueeze(1)  # [R, 1]
+    x = logits / torch.where(greedy, 1.0, temperature.float().unsqueeze(1))
+    if any_top_k or any_top_p:  # one descending sort serves both masks
+        xs, idx = torch.sort(x, dim=-1, descending=True)  # [R, V]
+        k = torch.where(top_k > 0, top_k.clamp(max=V), V).long().unsqueeze(1)  # [R, 1]
+        xs = xs.masked_fill(xs < xs.gather(1, k - 1), float("-inf"))
+        ps = torch.softmax(xs, dim=-1)  # [R, V] sorted descending
+        before = ps.double().cumsum(-1) - ps.double()  # fp64: a long fp32 sum drifts by ~V * 2^-24
+        drop = (before >= top_p.double().unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        drop[:, 0] = False  # mass strictly above an entry reaches top_p: drop it (never the first)
+        ps = ps.masked_fill(drop, 0.0)
+        ps = ps / ps.sum(-1, keepdim=True)
+        probs = torch.empty_like(ps).scatter_(1, idx, ps)
+    else:
+        probs = torch.softmax(x, dim=-1)
+    top = logits.argmax(-1, keepdim=True)  # [R, 1]
+    return probs.masked_fill(greedy, 0.0).scatter_(1, top, torch.where(greedy, 1.0, probs.gather(1, top)))
+
+
+def inverse_cdf(
+    probs: torch.Tensor,  # [R, V] >= 0, each row with positive mass (need not sum to 1)
+    u: torch.Tensor,  # [R] in the open interval (0, 1)
+) -> torch.Tensor:
+    """Inverse-CDF draw -> [R] int64: the first token whose cumulative mass exceeds u * (row mass).
+
+    The cumulative sum is in fp64, so each token's chance matches its probability to ~1e-16 (with fp64 u).
+    A zero-probability token is never chosen: its cumulative mass equals its predecessor's, so the first
+    one above the target is never it; the target is > 0 (u > 0) and kept below the total.
+    """
+    cdf = probs.double().cumsum(-1)  # [R, V]
+    total = cdf[:, -1]
+    target = torch.minimum(u.double() * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
 @native("sample")
 def sample(
-    probs: torch.Tensor,  # [B, V]
-    generators: list[torch.Generator | None],  # one per row (None: global RNG)
+    probs: torch.Tensor,  # [R, V]
+    seeds: torch.Tensor,  # [R] int64
+    offsets: torch.Tensor,  # [R] int64: absolute position of the token being produced
+    stream: int,
 ) -> torch.Tensor:
-    """One categorical draw per row -> [B] int64."""
-    noise = torch.empty_like(probs, dtype=torch.float32)
-    for i, g in enumerate(generators):
-        noise[i].exponential_(generator=g)
-    return (probs / noise).argmax(dim=-1)
+    """One categorical draw per row -> [R] int64; row r depends only on (probs[r], seeds[r], offsets[r],
+    stream)."""
+    return inverse_cdf(probs, uniform(seeds, offsets, stream, 1, torch.float64).squeeze(1))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the device, plus host flags that let kernels skip work.
+
+    Every row has a seed: a request's own `SamplingParams.seed`, else one the caller chose (the engine
+    draws one at random when the request arrives).
+    """
+
+    temperature: torch.Tensor  # [R] fp32
+    top_k: torch.Tensor  # [R] int64
+    top_p: torch.Tensor  # [R] fp32
+    seeds: torch.Tensor  # [R] int64
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def from_params(
+        cls, params: list[SamplingParams], device: torch.device | str, seeds: list[int | None] | None = None
+    ) -> SamplingTensors:
+        """seeds[i] is used when params[i].seed is None (a request's own seed wins)."""
+        seeds = seeds if seeds is not None else [None] * len(params)
+        chosen = [p.seed if p.seed is not None else s for p, s in zip(params, seeds, strict=True)]
+        if any(s is None for s in chosen):
+            raise ValueError("every request needs a seed: its own or one chosen by the caller")
+        wrapped = [(s & (2**64 - 1)) - (2**64 if s & (1 << 63) else 0) for s in chosen]  # any int -> int64
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            temperature=t([p.temperature for p in params], torch.float32),
+            top_k=t([p.top_k for p in params], torch.int64),
+            top_p=t([p.top_p for p in params], torch.float32),
+            seeds=t(wrapped, torch.int64),
+            all_greedy=all(p.greedy for p in params),
+            any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
+            any_top_p=any(p.top_p < 1 and not p.greedy for p in params),
+        )
+
+    def index_select(self, index: torch.Tensor) -> SamplingTensors:  # index [M] int64
+        """Rows `index` (e.g. a per-row request index). Flags are kept: still true of any subset."""
+        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index],
+                               self.seeds[index], self.all_greedy, self.any_top_k, self.any_top_p)
+
+    def repeat_interleave(self, n: int) -> SamplingTensors:
+        """Each row n times in a row ([R] -> [R * n]), e.g. for the K + 1 verify rows of every request."""
+
+        def rep(x):  # expand + reshape: no output-size computation, so no sync
+            return x.unsqueeze(1).expand(-1, n).reshape(-1)
+
+        return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.seeds),
+                               self.all_greedy, self.any_top_k, self.any_top_p)
+
+    @property
+    def greedy(self) -> torch.Tensor:  # [R] bool
+        return self.temperature <= 0
+
+
+def probs_for(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # logits [R, V] -> [R, V]
+    """process_logits with the rows' parameters and host flags."""
+    return process_logits(logits, st.temperature, st.top_k, st.top_p, st.any_top_k, st.any_top_p)
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [R, V]
+    st: SamplingTensors,  # R rows
+    offsets: torch.Tensor,  # [R] int64: absolute position of the token being produced
+    stream: int = STREAM_TARGET,
+) -> torch.Tensor:
+    """One token per row -> [R] int64: greedy rows the argmax (ties: lowest id), others a draw from the
+    processed distribution with the row's seed at (offset, stream)."""
+    argmax = logits.argmax(-1)
+    if st.all_greedy:
+        return argmax
+    return torch.where(st.greedy, argmax, sample(probs_for(logits, st), st.seeds, offsets, stream))

@@ -1,20 +1,28 @@
 """Lossless verification of drafts: speculative (rejection) sampling, Leviathan et al., arXiv 2211.17192
-(also Chen et al., arXiv 2302.01318). Legend: k drafts of one request, V vocabulary, R rows of the forward.
+(also Chen et al., arXiv 2302.01318), batched over requests and draft positions with no host sync.
+Legend: R requests, K draft columns (request r uses the first n_r = num_drafts[r]), V vocabulary.
 
-The target scores `[b, d_0, .., d_{k-1}]` in one forward; its row i gives p_i, the target's distribution for
+The target scores `[b, d_0, .., d_{n-1}]` in one forward; its row i gives p_i, the target's distribution for
 the token after d_{i-1} (after b for i = 0), processed with the request's temperature / top-k / top-p.
 q_i is the exact distribution d_i was drawn from (one-hot on d_i when the drafter gives none).
 
 Terms:
 * **accepted** — the longest prefix d_0..d_{L-1} that passes: greedy requests (temperature 0) accept d_i
-  while d_i == argmax p_i; sampled requests accept d_i with probability min(1, p_i(d_i) / q_i(d_i)).
-* **recovered** — at the first rejected position L < k, the emitted token: the target argmax (greedy), or a
+  while d_i == argmax p_i; sampled requests accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), i.e.
+  when u_i * q_i(d_i) < p_i(d_i) for a uniform u_i.
+* **recovered** — at the first rejected position L < n, the emitted token: the target argmax (greedy), or a
   draw from the residual normalise(max(p_L - q_L, 0)) (sampled; p_L itself if the residual has no mass).
-* **bonus** — when all k drafts are accepted, one more token from row k: argmax p_k or a draw from p_k.
+* **bonus** — when all n drafts are accepted (L = n), one more token from row n: argmax p_n or a draw
+  from p_n. A request with n = 0 is a plain decode row: its only token is the bonus.
 
 Each step emits L + 1 tokens whose joint distribution equals sampling the target token by token, for ANY
-drafter, as long as q is exact (Leviathan et al., Theorem 1). All randomness of a request comes from its own
-torch.Generator (seeded requests are reproducible).
+drafter, as long as q is exact (Leviathan et al., Theorem 1).
+
+Randomness: the token at absolute position t uses the counter RNG at offset t only — u_i from
+STREAM_ACCEPT, recovered draws from STREAM_RESIDUAL, bonus draws from STREAM_TARGET (so a 0-draft row
+gives exactly `sample_tokens(logits, st, positions, STREAM_TARGET)`). Numbers at offsets past the emitted
+token were computed but did not influence the output, so reusing them in the next step keeps every
+position's randomness fresh; and a seeded request's tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -23,82 +31,69 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkspec.ops import ops
-from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec_decode.proposer import Draft
+from sparkspec.ops.rng import uniform_at
+from sparkspec.ops.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, SamplingTensors, inverse_cdf, probs_for
 
 
 @dataclass
-class Verdict:
-    num_accepted: int  # L
-    token_ids: list[int]  # d_0..d_{L-1} then the recovered or bonus token (L + 1 tokens)
-    is_bonus: bool  # the last token came from row k after full acceptance
+class Verdict:  # kept for old callers; the batched API returns tensors instead
+    num_accepted: int
+    token_ids: list[int]
+    is_bonus: bool
 
 
 class RejectionSampler:
-    def __call__(
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forward(*args, **kwargs)
+
+    def forward(
         self,
-        logits: torch.Tensor,  # [R, V] target logits of every verify row
-        spans: list[tuple[int, int]],  # request r owns rows s..e-1 = [b, d_0..d_{k-1}] (e - s = k + 1)
-        drafts: list[Draft],
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-    ) -> list[Verdict]:
-        argmax = logits.argmax(dim=-1).tolist()
-        sampled = [r for r, p in enumerate(params) if not p.greedy]
-        probs_of: dict[int, torch.Tensor] = {}
-        if sampled:
-            rows = torch.cat([torch.arange(*spans[r], device=logits.device) for r in sampled])
-            per_row = [(params[r], spans[r][1] - spans[r][0]) for r in sampled]
-            t = torch.tensor([p.temperature for p, n in per_row for _ in range(n)], device=logits.device)
-            k = torch.tensor([p.top_k for p, n in per_row for _ in range(n)], device=logits.device)
-            tp = torch.tensor([p.top_p for p, n in per_row for _ in range(n)], device=logits.device)
-            probs = ops.process_logits(logits[rows], t, k, tp)  # [sum(k_r + 1), V]
-            off = 0
-            for r, (_, n) in zip(sampled, per_row):
-                probs_of[r] = probs[off : off + n]
-                off += n
-        out = []
-        for r, (draft, (s, e)) in enumerate(zip(drafts, spans)):
-            if e - s != draft.num_tokens + 1:
-                raise ValueError(f"request {r}: {e - s} verify rows for {draft.num_tokens} drafts")
-            if r in probs_of:
-                out.append(self.verify_sampled(probs_of[r], draft, generators[r]))
-            else:
-                out.append(self.verify_greedy(argmax[s:e], draft))
-        return out
+        target_logits: torch.Tensor,  # [R, K+1, V] fp32
+        draft_ids: torch.Tensor,  # [R, K] int64, -1 padded: request r's drafts in columns 0..n_r-1
+        draft_probs: torch.Tensor | None,  # [R, K, V] fp32 q_i; None: one-hot drafts (deterministic drafter)
+        st: SamplingTensors,  # R requests
+        positions: torch.Tensor,  # [R] int64: absolute position of the first verified token (where d_0 sits)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (output_ids [R, K+1] int64: d_0..d_{L-1} then the recovered / bonus token, -1 after;
+        num_accepted [R] int64 = L)."""
+        R, K1, V = target_logits.shape
+        K = K1 - 1
+        dev = target_logits.device
+        cols = torch.arange(K1, device=dev)  # [K+1]
+        n = (draft_ids >= 0).sum(1)  # [R] number of drafts
+        d = draft_ids.clamp(min=0)  # [R, K]
+        argmax = target_logits.argmax(-1)  # [R, K+1]
+        rows = torch.arange(R, device=dev)
 
-    @staticmethod
-    def verify_greedy(target_argmax: list[int], draft: Draft) -> Verdict:
-        """target_argmax [k + 1]: accept while d_i == argmax p_i; then emit argmax p_L."""
-        L = 0
-        while L < draft.num_tokens and draft.token_ids[L] == target_argmax[L]:
-            L += 1
-        return Verdict(L, draft.token_ids[:L] + [target_argmax[L]], L == draft.num_tokens)
+        if st.all_greedy:
+            accept = d == argmax[:, :K]
+        else:
+            p = probs_for(target_logits.reshape(R * K1, V), st.repeat_interleave(K1)).view(R, K1, V)
+            p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2)  # [R, K]
+            q_d = draft_probs.gather(2, d.unsqueeze(2)).squeeze(2) if draft_probs is not None else 1.0
+            # one RNG call for every stream at every verified position: u[stream, r, i] at offset positions[r] + i
+            streams = torch.arange(max(STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET) + 1, device=dev)
+            u = uniform_at(st.seeds.view(1, R, 1), positions.view(1, R, 1) + cols, streams.view(-1, 1, 1), 0,
+                           torch.float64)  # [streams, R, K+1]
+            accept = torch.where(st.greedy.unsqueeze(1), d == argmax[:, :K], u[STREAM_ACCEPT, :, :K] * q_d < p_d)
+        accept &= cols[:K] < n.unsqueeze(1)
+        L = accept.long().cumprod(1).sum(1)  # [R] leading accepts
+        token = argmax[rows, L]  # [R] greedy: recovered and bonus are both argmax p_L
 
-    @staticmethod
-    def verify_sampled(p: torch.Tensor, draft: Draft, generator: torch.Generator | None) -> Verdict:
-        """p [k + 1, V] processed target distributions; q = draft.probs [k, V] or one-hot."""
-        k = draft.num_tokens
-        if k:
-            d = torch.tensor(draft.token_ids, device=p.device)
-            i = torch.arange(k, device=p.device)
-            p_d = p[i, d]  # [k]
-            q_d = draft.probs[i, d].to(p.dtype) if draft.probs is not None else torch.ones_like(p_d)
-            u = torch.rand(k, generator=generator, device=p.device)
-            accepted = (u * q_d < p_d).tolist()  # u < p/q without dividing by q
-            L = accepted.index(False) if False in accepted else k
-        else:
-            L = 0
-        if L == k:  # bonus
-            return Verdict(L, draft.token_ids + [int(ops.sample(p[k : k + 1], [generator])[0])], True)
-        if draft.probs is not None:
-            q = draft.probs[L].to(p.dtype)
-        else:
-            q = torch.zeros_like(p[L])
-            q[draft.token_ids[L]] = 1.0
-        residual = (p[L] - q).clamp(min=0)
-        mass = residual.sum()
-        residual = residual / mass if mass > 0 else p[L]
-        token = int(ops.sample(residual.unsqueeze(0), [generator])[0])
-        return Verdict(L, draft.token_ids[:L] + [token], False)
+        if not st.all_greedy:
+            p_L = p[rows, L]  # [R, V]
+            at = L.clamp(max=max(K - 1, 0))  # [R] the rejected draft's column (any column when bonus)
+            if K == 0:
+                residual = p_L  # every row is a bonus row
+            elif draft_probs is not None:
+                residual = (p_L - draft_probs[rows, at]).clamp(min=0)
+            else:  # q_L one-hot on d_L: max(p_L - q_L, 0) is p_L without d_L
+                residual = p_L.scatter(1, d[rows, at].unsqueeze(1), 0.0)
+            bonus = L == n  # [R]
+            dist = torch.where((bonus | (residual.sum(1) <= 0)).unsqueeze(1), p_L, residual)
+            u_tok = torch.where(bonus, u[STREAM_TARGET, rows, L], u[STREAM_RESIDUAL, rows, L])  # [R]
+            token = torch.where(st.greedy, token, inverse_cdf(dist, u_tok))
+
+        drafts = torch.cat([d, d.new_zeros(R, 1)], 1)  # [R, K+1]
+        out = torch.where(cols < L.unsqueeze(1), drafts, torch.where(cols == L.unsqueeze(1), token.unsqueeze(1), -1))
+        return out, L
