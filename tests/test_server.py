@@ -173,6 +173,23 @@ BAD_REQUESTS = [  # (name, path, raw body or JSON, expected status)
                                             "tools": [{"type": "function"}]}, 400),
     ("chat content not text", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}, 400),
+    ("seed above uint64", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                   "max_tokens": 4, "seed": 2**64}, 400),
+    ("seed below int64", "/v1/completions", {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400),
+    ("top_k above int64", "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**63}, 400),
+    ("lone surrogate", "/v1/chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400),
+    ("lone surrogate key", "/v1/completions", b'{"model": "tiny", "prompt": "x", "\\udfff": 1}', 400),
+    ("nested 5000 deep", "/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
+    ("nested 40 deep", "/v1/completions",
+     b'{"model": "tiny", "prompt": "x", "metadata": ' + b'{"a": ' * 40 + b"1" + b"}" * 41, 400),
+    ("NaN", "/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400),
+    ("integer of 5000 digits", "/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000
+     + b"}", 400),
+    ("stop string too long", "/v1/completions", {"model": MODEL, "prompt": "x", "stop": "s" * 1001}, 400),
+    ("five stop strings", "/v1/completions", {"model": MODEL, "prompt": "x", "stop": list("abcde")}, 400),
+    ("form content type", "/v1/completions", (b"model=tiny&prompt=x", "application/x-www-form-urlencoded"), 415),
+    ("text content type", "/v1/completions", (b'{"model": "tiny", "prompt": "x"}', "text/plain"), 415),
     ("wrong method", "/v1/models", None, 405),
     ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404),
 ]
@@ -192,18 +209,27 @@ def test_bad_requests_get_4xx_while_a_good_request_succeeds(server, client):
         for name, path, body, status in BAD_REQUESTS:
             if body is None:
                 r = http.post(path) if path != "/v1/models" else http.delete(path)
-            elif isinstance(body, bytes):
-                r = http.post(path, content=body, headers={"content-type": "application/json"})
+            elif isinstance(body, (bytes, tuple)):
+                content, ctype = body if isinstance(body, tuple) else (body, "application/json")
+                r = http.post(path, content=content, headers={"content-type": ctype})
             else:
                 r = http.post(path, json=body)
             assert r.status_code == status, f"{name}: {r.status_code} {r.text}"
-            if path.startswith("/v1/") and status == 400:
-                err = r.json()["error"]
-                assert err["type"] == "invalid_request_error" and err["message"], name
+            err = r.json()["error"]  # every error, 404 and 405 included, in OpenAI's format
+            assert err["type"] == "invalid_request_error" and err["message"], name
         assert http.get("/health").status_code == 200
     t.join(60)
     assert good["chunks"][-1].choices[0].finish_reason == "length"
     assert sum(1 for c in good["chunks"] if c.choices[0].text) >= 1
+
+
+def test_openai_bookkeeping_fields_are_accepted(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       store=False, metadata={"team": "a"}, service_tier="auto",
+                                       parallel_tool_calls=True, user="u-1")
+    assert r.choices[0].finish_reason in ("length", "stop")
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, user="u-1")
+    assert r.usage.completion_tokens <= 2
 
 
 def test_openai_client_raises_bad_request(client):
@@ -257,33 +283,64 @@ def test_models_health_metrics(server, client):
     assert server.engine.stats.num_drafted > 0 or server.engine.stats.num_drafter_skipped_steps > 0
 
 
-def test_sigterm_shuts_down_cleanly(tiny_checkpoint_with_drafters):
+def test_sigterm_drains_then_cuts_what_is_left(tiny_checkpoint_with_drafters):
+    """SIGTERM: new requests get 503, a running stream that finishes within --shutdown-timeout ends normally, one
+    that does not ends with an error event and [DONE]; the log says how many of each; the exit code is 0."""
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "sparkspec.serve.cli", "--model", str(tiny_checkpoint_with_drafters),
-                             "--port", str(port), "--spec", "none", "--log-level", "warning", "--served-model-name", "tiny"],
+                             "--port", str(port), "--spec", "none", "--log-level", "warning", "--served-model-name", "tiny",
+                             "--shutdown-timeout", "5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    streams: dict = {}
+    started = {name: threading.Event() for name in ("short", "long")}
+
+    def stream(name: str, max_tokens: int):
+        body = {"model": "tiny", "prompt": name, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    started[name].set()
+            streams[name] = lines
+
     try:
         deadline = time.time() + 60
         while True:
             assert proc.poll() is None, proc.stdout.read().decode()
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert time.time() < deadline, "server did not come up"
             time.sleep(0.1)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "x",
-                                                                         "max_tokens": 2})
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200, r.text
+        threads = [threading.Thread(target=stream, args=a) for a in (("short", 12), ("long", 2000))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started.values())
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        time.sleep(0.5)
+        late = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["type"] == "server_error", late.text
+        assert httpx.get(url + "/health").status_code == 503
+        for t in threads:
+            t.join(60)
+        assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
+    out = proc.stdout.read().decode()
     assert json.loads(r.text)["choices"][0]["finish_reason"] in ("length", "stop")
+    short, long = streams["short"], streams["long"]
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length", short[-3:]
+    assert long[-1] == "[DONE]" and "shutting down" in json.loads(long[-2])["error"]["message"], long[-3:]
+    assert "1 request(s) finished, 1 cut" in out and "shut down cleanly" in out, out
 
 
 def test_bench_serve_against_the_server(server, tmp_path):

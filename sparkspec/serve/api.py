@@ -1,27 +1,39 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE with `stream: true`), /v1/models,
-/health, /metrics. Every client error is a 4xx with an OpenAI-style body; the engine never sees a bad request."""
+/health, /metrics. Every client error is a 4xx with an OpenAI-style body; the engine never sees a bad request.
+
+Reading the body, parsing, validation and tokenisation run in a worker thread, so a large prompt delays
+nobody else's stream or /health. `drain` (called by the server on SIGTERM) answers new requests 503, lets
+running ones finish for a while, then ends the rest with an error event."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
-from sparkspec.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from sparkspec.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from sparkspec.engine.scheduler import QueueFullError
 from sparkspec.serve.metrics import ServerMetrics
-from sparkspec.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+from sparkspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, load_json,
+                                      parse_request)
 
 RETRY_AFTER_S = 1
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+LONG_TEXT_CHARS = 1 << 16  # shorter texts encode in milliseconds: the GIL is not held long enough to matter
+log = logging.getLogger("sparkspec.serve")
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int = 256) -> FastAPI:
+def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int = 256,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     metrics = ServerMetrics(engine)
     tokenizer = engine.engine.tokenizer
 
@@ -34,6 +46,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
     app = FastAPI(title="sparkspec", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.draining = False
 
     def error_response(e: RequestError) -> JSONResponse:
         metrics.http_errors.labels(str(e.status)).inc()
@@ -43,24 +56,66 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
     async def _request_error(request: Request, e: RequestError):
         return error_response(e)
 
-    async def read_body(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not valid JSON ({e})") from None
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException):  # unknown route (404), wrong method (405)
+        what = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
+                f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(RequestError(what, status=e.status_code, code=HTTP_CODES.get(e.status_code),
+                                           headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception):  # a bug: still an OpenAI-style body
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(RequestError(f"internal server error ({type(e).__name__})", status=500,
+                                           type_="server_error"))
+
+    def check_accepting() -> None:
+        if app.state.draining:
+            raise RequestError("the server is shutting down", status=503, type_="server_error",
+                               headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+
+    async def read_body(request: Request) -> bytes:
+        """The raw body, refused early when it is not JSON (415) or larger than `max_request_bytes` (413)."""
+        check_accepting()
+        ctype = request.headers.get("content-type")
+        media = ctype.split(";")[0].strip().lower() if ctype else "application/json"
+        if media != "application/json" and not media.endswith("+json"):
+            raise RequestError(f"Content-Type '{ctype}' is not supported; send application/json", status=415,
+                               code="unsupported_media_type")
+        too_large = RequestError(f"the request body exceeds {max_request_bytes} bytes (--max-request-bytes)",
+                                 status=413, code="request_too_large", headers={"Connection": "close"})
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_request_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():  # a chunked body has no Content-Length: count as it arrives
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def check_model(req) -> None:
         if req.model != model_name:
             raise RequestError(f"model '{req.model}' does not exist; this server serves '{model_name}'", "model",
                                code="model_not_found")
 
+    def tokenize(text: str, add_bos: bool) -> list[int]:
+        """`tokenizer.encode`, except that a long text goes through the HF tokenizer's `encode_batch`: only that
+        call releases the GIL, and encoding 4 MB takes seconds, which would stall the event loop meanwhile."""
+        hf = getattr(tokenizer, "tok", None)
+        if len(text) < LONG_TEXT_CHARS or not hasattr(hf, "encode_batch"):
+            return tokenizer.encode(text, add_special_tokens=add_bos)
+        ids = hf.encode_batch([text], add_special_tokens=False)[0].ids
+        bos = tokenizer.bos_token_id  # as Tokenizer.encode: BOS first unless the text starts with it
+        return [bos] + ids if add_bos and bos is not None and (not ids or ids[0] != bos) else ids
+
     def encode(prompt: str | list[int], add_bos: bool, param: str) -> list[int]:
         try:
             if isinstance(prompt, str):
                 if tokenizer is None:
                     raise ValueError("this model has no tokenizer: send prompt token ids")
-                return tokenizer.encode(prompt, add_special_tokens=add_bos)
+                return tokenize(prompt, add_bos)
             return engine.engine.encode_prompt(prompt)
         except ValueError as e:
             raise RequestError(str(e), param) from None
@@ -108,11 +163,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
                             c["choices"] = []
                             c["usage"] = usage(len(prompt_ids), len(last.token_ids))
                             yield f"data: {json.dumps(c)}\n\n"
-                    yield "data: [DONE]\n\n"
-                except (EngineDeadError, ValueError, QueueFullError) as e:
+                except Exception as e:  # the request failed or was cut: say so, then end the stream as usual
+                    if not isinstance(e, (EngineDeadError, RequestFailedError, ValueError, QueueFullError)):
+                        log.exception("stream failed")
                     yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
                 finally:
                     await outputs.aclose()  # a disconnected client lands here: the request is aborted
+                yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -147,16 +204,33 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
             raise RequestError(str(e)) from None
         except EngineDeadError as e:
             raise RequestError(str(e), status=503, type_="server_error") from None
+        except RequestFailedError as e:
+            raise RequestError(str(e), status=500, type_="server_error") from None
         metrics.observe_finished(last)
         return JSONResponse(final_fn(last))
 
+    def prepare_completion(raw: bytes):
+        req = parse_request(CompletionRequest, load_json(raw))
+        check_model(req)
+        prompt_ids = encode(req.single_prompt(), add_bos=True, param="prompt")
+        return req, prompt_ids, req.sampling_params(default_tokens(prompt_ids))
+
+    def prepare_chat(raw: bytes):
+        req = parse_request(ChatCompletionRequest, load_json(raw))
+        check_model(req)
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise RequestError("this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = tokenizer.apply_chat_template(req.chat_messages())
+        except ValueError as e:
+            raise RequestError(str(e), "messages") from None
+        prompt_ids = encode(text, add_bos=False, param="messages")
+        return req, prompt_ids, req.sampling_params(default_tokens(prompt_ids))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await read_body(request))
-        check_model(req)
-        prompt = req.single_prompt()
-        prompt_ids = encode(prompt, add_bos=True, param="prompt")
-        params = req.sampling_params(default_tokens(prompt_ids))
+        req, prompt_ids, params = await asyncio.to_thread(prepare_completion, await read_body(request))
+        check_accepting()
         admit(prompt_ids, params)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
@@ -174,16 +248,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await read_body(request))
-        check_model(req)
-        if tokenizer is None or tokenizer.chat_template is None:
-            raise RequestError("this model has no chat template; use /v1/completions", "messages")
-        try:
-            text = tokenizer.apply_chat_template(req.chat_messages())
-        except ValueError as e:
-            raise RequestError(str(e), "messages") from None
-        prompt_ids = encode(text, add_bos=False, param="messages")
-        params = req.sampling_params(default_tokens(prompt_ids))
+        req, prompt_ids, params = await asyncio.to_thread(prepare_chat, await read_body(request))
+        check_accepting()
         admit(prompt_ids, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         first = [True]
@@ -212,9 +278,26 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
 
     @app.get("/health")
     async def health():
-        if engine.is_running:
+        if engine.is_running and not app.state.draining:
             return {"status": "ok"}
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "shutting down" if app.state.draining else "unavailable"}, status_code=503)
+
+    async def drain(timeout: float) -> None:
+        """Refuse new requests (503), give running ones `timeout` seconds, then end the rest with an error."""
+        app.state.draining = True
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        running = engine.num_open_requests
+        log.info("shutting down: waiting up to %.0f s for %d running request(s)", timeout, running)
+        while engine.num_open_requests and loop.time() - start < timeout:
+            await asyncio.sleep(0.05)
+        cut = engine.num_open_requests
+        if cut:  # stopping the engine ends every open stream with an error event and [DONE]
+            await asyncio.to_thread(engine.shutdown)
+        log.log(logging.WARNING if cut else logging.INFO, "shutdown after %.1f s: %d request(s) finished, %d cut",
+                loop.time() - start, max(0, running - cut), cut)
+
+    app.state.drain = drain
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 
@@ -72,6 +75,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="name clients pass as 'model' (default: directory name)")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which the server answers 429")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="larger request bodies are refused with 413 before they are parsed (default 8 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests get to finish before their streams are cut")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -85,14 +92,25 @@ def cmd_serve(args) -> int:
     from sparkspec.serve.api import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes {args.max_request_bytes}: expected a positive number of bytes")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
     engine, ckpt = build_engine(args, max_waiting=args.max_waiting)
     name = args.served_model_name or Path(ckpt.path).name
     print(f"serving '{name}' from {ckpt.path} on http://{args.host}:{args.port} "
           f"(spec={engine.config.speculative}, budget={engine.config.spec_budget}); {engine.kv_plan.describe()}",
           file=sys.stderr)
-    app = create_app(AsyncLLMEngine(engine), name, default_max_tokens=args.default_max_tokens)
+    async_engine = AsyncLLMEngine(engine)
+    app = create_app(async_engine, name, default_max_tokens=args.default_max_tokens,
+                     max_request_bytes=args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    _server_class()(config).run()
+    server = _server_class()(config, app.state.drain, args.shutdown_timeout)
+    async_engine.on_death = server.engine_died
+    server.run()
+    if server.failure is not None:
+        print(f"sparkspec serve: the engine died ({server.failure!r}); exiting with code 1", file=sys.stderr)
+        return 1
     print("sparkspec serve: shut down cleanly", file=sys.stderr)
     return 0
 
@@ -101,8 +119,35 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """SIGINT / SIGTERM: stop accepting, close streams, run the lifespan shutdown (stops the engine thread),
-        then return normally (uvicorn's default re-raises the signal, which would make the exit code -15)."""
+        """SIGINT / SIGTERM: drain first (new requests get 503 while running ones have `shutdown_timeout` seconds
+        to finish; the rest end with an error event), then uvicorn's shutdown (close the sockets, run the
+        lifespan shutdown, which stops the engine thread), then return normally (uvicorn's default re-raises the
+        signal, which would make the exit code -15). A second SIGINT skips the wait.
+
+        If the engine thread dies, the server stops and `cmd_serve` exits 1, so that a supervisor restarts it:
+        a live process that can only answer 503 helps nobody."""
+
+        def __init__(self, config, drain, shutdown_timeout: float):
+            super().__init__(config)
+            self.drain, self.shutdown_timeout = drain, shutdown_timeout
+            self.failure: BaseException | None = None
+
+        def engine_died(self, e: BaseException) -> None:  # on the engine thread
+            self.failure = e
+            self.should_exit = True
+            # backstop: should the event loop be stuck, still exit non-zero
+            timer = threading.Timer(self.shutdown_timeout + 30, os._exit, (1,))
+            timer.daemon = True
+            timer.start()
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.failure is None:
+                task = asyncio.ensure_future(self.drain(self.shutdown_timeout))
+                while not task.done() and not self.force_exit:
+                    await asyncio.sleep(0.05)
+                if not task.done():
+                    task.cancel()
+            await super().shutdown(sockets)
 
         @contextlib.contextmanager
         def capture_signals(self):

@@ -1,14 +1,19 @@
 """OpenAI request schemas, validated strictly: unknown fields, wrong types and out-of-range values are errors
 (HTTP 400 with an OpenAI-style body), and OpenAI fields the engine does not implement are refused unless they
-carry their neutral value (e.g. `n: 1`, `logprobs: null`, `presence_penalty: 0`)."""
+carry their neutral value (e.g. `n: 1`, `logprobs: null`, `presence_penalty: 0`). Bookkeeping fields
+(`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`) are accepted and ignored."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sparkspec.sampling_params import SamplingParams
+from sparkspec.sampling_params import SEED_END, SEED_MIN, SamplingParams
+
+MAX_JSON_DEPTH = 32  # far above any request we accept; deeper bodies could exhaust the stack while compared
+MAX_STOP, MAX_STOP_CHARS = 4, 1000  # OpenAI's count limit; long stop strings make every decode step slower
 
 
 class RequestError(Exception):
@@ -36,13 +41,18 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # extension (vLLM): 0 / -1 disable
+    top_k: int = Field(default=0, ge=-1, lt=2**63)  # extension (vLLM): 0 / -1 disable
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM)
-    user: str | None = None  # metadata; accepted and unused
+    # bookkeeping fields of OpenAI's API: accepted and ignored
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
     # OpenAI fields accepted only with their neutral value
     n: int = 1
     logprobs: Any = None
@@ -58,20 +68,27 @@ class _Common(BaseModel):
             value = getattr(self, name)
             ok = value in neutral if isinstance(neutral, tuple) else value == neutral
             if not ok:
-                raise RequestError(f"'{name}' = {value!r} is not supported by this server (only {neutral!r})", name,
-                                   code="unsupported_parameter")
+                raise RequestError(f"'{name}' = {_short(value)} is not supported by this server (only {neutral!r})",
+                                   name, code="unsupported_parameter")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
-            if len(stops) > 4 or any(not s for s in stops):
-                raise RequestError("'stop' must be up to 4 non-empty strings", "stop")
+            if len(stops) > MAX_STOP or any(not s for s in stops):
+                raise RequestError(f"'stop' must be up to {MAX_STOP} non-empty strings", "stop")
+            if any(len(s) > MAX_STOP_CHARS for s in stops):
+                raise RequestError(f"'stop' strings must be at most {MAX_STOP_CHARS} characters", "stop")
+        if self.seed is not None and not SEED_MIN <= self.seed < SEED_END:
+            raise RequestError("'seed' must be an integer in [-2**63, 2**64)", "seed")
         if self.stream_options is not None and not self.stream:
             raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stops = [] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop))
-        return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stops,
-                              ignore_eos=self.ignore_eos)
+        try:  # the checks above should leave nothing for SamplingParams to refuse; if they miss one, still a 400
+            return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+                                  top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stops,
+                                  ignore_eos=self.ignore_eos)
+        except ValueError as e:
+            raise RequestError(str(e), str(e).split(" ")[0]) from None
 
 
 class CompletionRequest(_Common):
@@ -133,6 +150,54 @@ class ChatCompletionRequest(_Common):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_json(raw: bytes) -> Any:
+    """Parse a request body strictly: no NaN / Infinity, nesting at most MAX_JSON_DEPTH, and no lone UTF-16
+    surrogates (an escaped "\\ud800" parses to a str that no tokenizer or UTF-8 encoder accepts)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise RequestError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as e:  # also bad UTF-8 and integers over Python's 4300-digit limit
+        raise RequestError(f"the request body is not valid JSON ({e})") from None
+    strings = b"\\ud" in raw.lower()  # surrogates can only come from escapes; skip the string scan without one
+    stack = [(body, 1, None)]  # (value, depth, top-level field it is in); iterative, so depth cannot hurt here
+    while stack:
+        value, depth, field = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", field)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for k, v in items:
+            name = field if field is not None or not isinstance(k, str) else _printable(k)
+            if strings and any(isinstance(x, str) and _has_surrogate(x) for x in (k, v)):
+                raise RequestError(f"{repr(name) if name else 'the body'} holds a lone UTF-16 surrogate (invalid "
+                                   "Unicode)", name)
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, name))
+    return body
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr for an error message, cut: a bad 8 MB prompt must not come back in the 400 body."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _printable(s: str) -> str:
+    return s.encode("utf-8", "backslashreplace").decode()
+
+
 def parse_request(cls: type[_Common], body: Any) -> _Common:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -143,7 +208,7 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
         parts = [str(x) for x in err["loc"]]
         if len(parts) > 1 and (parts[1] in ("str", "int", "float", "bool") or "[" in parts[1]):
             parts = parts[:1]  # a union branch name ('prompt.list[int]'): name the field only
-            err["msg"] = f"{err['input']!r} does not have an accepted type"
+            err["msg"] = f"{_short(err['input'])} does not have an accepted type"
         loc = ".".join(parts)
         param = parts[0] if parts else None
         if err["type"] == "extra_forbidden":
