@@ -9,14 +9,11 @@ import pytest
 import torch
 
 from sparkspec.config import ModelConfig
-from sparkspec.generation import Generator
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.dspark import init_dspark_tensors
 from sparkspec.models.mtp import init_mtp_tensors
 from sparkspec.models.random_init import random_tensors
 from sparkspec.models.weights import load_state
-from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec_decode.proposer import Draft, Proposer
 
 DEVICE = torch.device("cpu")
 
@@ -62,10 +59,6 @@ def mixed_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[in
     return out
 
 
-def plain_generate(model, prompts, params: SamplingParams) -> list[list[int]]:
-    return [s.output_ids for s in Generator(model).generate(prompts, params)]
-
-
 @pytest.fixture(autouse=False)
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and spinning threads collapse on a busy 2-core box."""
@@ -73,32 +66,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-class ReplayProposer(Proposer):
-    """Test drafter: replays the target's own greedy continuation `reference[r]`, replacing the draft at each
-    step-relative position in `errors` by a wrong token (so every step accepts exactly min(errors) drafts)."""
-
-    method = "replay"
-
-    def __init__(self, reference: list[list[int]], num_spec_tokens: int, errors: set[int], vocab: int):
-        super().__init__(num_spec_tokens)
-        self.reference, self.errors, self.vocab = reference, errors, vocab
-
-    def propose(self, seqs, num_tokens):
-        out = []
-        for s, k in zip(seqs, num_tokens):
-            o = len(s.output_ids)
-            true = self.reference[s.seq_id][o : o + k]
-            out.append(Draft([(t + 1) % self.vocab if i in self.errors else t for i, t in enumerate(true)]))
-        return out
-
-
-def run_steps(gen, prompts, params, num_steps: int):
-    """Drive a SpeculativeGenerator step by step (states stay inspectable: no `finish`)."""
-    seqs = gen.start(prompts, params)
-    for _ in range(num_steps):
-        active = [s for s in seqs if not s.finished]
-        if active:
-            gen.spec_step(active)
-    return seqs

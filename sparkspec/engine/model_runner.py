@@ -151,7 +151,9 @@ class ModelRunner:
             next_ids = next_t
             if len(next_host):
                 verify_rows = pend_row_t.unsqueeze(1) + torch.arange(K + 1, device=tokens.device)  # [S, K+1]
-                next_ids = next_t.index_put((verify_rows,), torch.where(tokens >= 0, tokens, next_t[verify_rows]))
+                ok = tokens >= 0  # j <= L: inside the request's own rows; the rest repeat column 0's write
+                rows = torch.where(ok, verify_rows, pend_row_t.unsqueeze(1))
+                next_ids = next_t.index_put((rows,), torch.where(ok, tokens, tokens[:, :1]))
             pending = tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [S] the new pending token
             step = StepRows(batch, out, next_ids, req_t, pending, pos_t + num_accepted, pend_row_t + num_accepted, st)
             self.proposer.observe(step)

@@ -1,0 +1,153 @@
+"""Lossless speculative decoding through the engine (the path the server, `generate`, `eval` and `bench` run).
+
+Temperature 0: every method and k returns exactly the token ids of plain decoding, in mixed batches with
+chunked prefill and with preemption forced by a small KV budget. The drafts must really be accepted: a replay
+drafter proposes the target's own greedy continuation with an error injected at a chosen position (so every
+step accepts exactly that many drafts: partial acceptance and rollback at every position), and the shipped
+demo drafters are run on the demo target. fp64 keeps argmax ties out of the random-model comparisons.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_helpers import mixed_prompts, one_thread, tiny_setup  # noqa: F401
+
+from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.sampling_params import SamplingParams
+from sparkspec.spec_decode import build_proposer
+from sparkspec.spec_decode.proposer import HostProposer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENGTHS = [1, 2, 3, 5, 6, 7, 9, 11, 12, 14, 15, 16, 17, 18, 20, 24, 27, 30, 31, 33, 36, 40]
+MAX_TOKENS = [28, 20, 28, 13]  # cycled over the prompts
+
+
+class ReplayProposer(HostProposer):
+    """Test drafter: replays the target's own greedy continuation, with the draft at step-relative position
+    `error` (if any) replaced by a wrong token, so each step accepts exactly min(error, k) drafts."""
+
+    method = "replay"
+
+    def __init__(self, prompts: list[list[int]], reference: list[list[int]], k: int, error: int | None, vocab: int):
+        super().__init__(k)
+        self.reference = {tuple(p): r for p, r in zip(prompts, reference)}
+        self.error, self.vocab = error, vocab
+
+    def propose_ids(self, token_ids, k):
+        out = []
+        for ids in token_ids:
+            prompt = next(p for p in self.reference if tuple(ids[: len(p)]) == p and len(ids) > len(p))
+            o = len(ids) - len(prompt)  # outputs so far; the next drafts continue the reference at o
+            true = self.reference[prompt][o : o + k]
+            out.append([(t + 1) % self.vocab if i == self.error else t for i, t in enumerate(true)])
+        return out
+
+
+def engine(model, tensors=None, proposer=None, method="none", k=None, **kw) -> LLMEngine:
+    kw.setdefault("max_num_batched_tokens", 64)  # prompts up to 40 tokens next to decode rows: chunked prefill
+    cfg = EngineConfig(max_num_seqs=16, speculative=method, num_spec_tokens=k, spec_budget="fixed", **kw)
+    return LLMEngine(model, None, cfg, tensors, proposer)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.set_num_threads(1)
+    cfg, model, tensors = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, LENGTHS)
+    params = [SamplingParams(max_tokens=MAX_TOKENS[i % len(MAX_TOKENS)], ignore_eos=True) for i in range(len(prompts))]
+    reference = [o.token_ids for o in engine(model).generate(prompts, params)]
+    return cfg, model, tensors, prompts, params, reference
+
+
+def test_plain_engine_equals_one_request_at_a_time(setup):
+    _, model, _, prompts, params, reference = setup
+    for i in (0, 9, 21):
+        assert engine(model, max_num_batched_tokens=8).generate([prompts[i]], params[i])[0].token_ids == reference[i]
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp", "ngram"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])  # 4 = the tiny preset's dspark_block_size
+def test_greedy_equals_plain_decoding(setup, method, k):
+    _, model, tensors, prompts, params, reference = setup
+    eng = engine(model, tensors, method=method, k=k)
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == reference
+    if method != "ngram":  # model drafters draft on every decode step
+        assert eng.stats.num_drafted > 0.5 * eng.stats.num_spec_steps * k
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+@pytest.mark.parametrize("error", [None, 0, 1, 2, 3])
+def test_replay_drafter_partial_acceptance_at_every_position(setup, k, error):
+    cfg, model, _, prompts, params, reference = setup
+    eng = engine(model, proposer=ReplayProposer(prompts, reference, k, error, cfg.vocab_size))
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == reference
+    s = eng.stats
+    assert s.num_spec_steps > 0
+    per_position = s.accepted_per_position + [0] * (k - len(s.accepted_per_position))
+    if error is None or error >= k:  # full acceptance (and a bonus token) every step
+        assert s.num_accepted == s.num_drafted
+    else:  # exactly `error` drafts accepted per step: positions before it accepted, none after
+        assert all(per_position[j] > 0 for j in range(error)) and not any(per_position[error:])
+    if error is None or error >= 2:
+        assert s.num_accepted > 0.5 * s.num_drafted
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp", "replay"])
+def test_preemption_recomputes_exactly(setup, method):
+    """A KV budget far below what the batch needs forces preemption and recompute mid-generation."""
+    cfg, model, tensors, prompts, params, reference = setup
+    proposer = ReplayProposer(prompts, reference, 3, 2, cfg.vocab_size) if method == "replay" else None
+    method = method if proposer is None else "none"
+    block_bytes = engine(model, tensors, proposer, method=method, k=3).kv_plan.bytes_per_block
+    eng = engine(model, tensors, proposer, method=method, k=3, kv_cache_memory=14 * block_bytes)  # ~2 requests
+    outs = eng.generate(prompts, params)
+    assert eng.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    if method == "replay":
+        assert eng.stats.num_accepted > 0.5 * eng.stats.num_drafted
+
+
+@pytest.mark.parametrize("method", ["none", "dspark", "mtp"])
+def test_seeded_sampling_is_independent_of_the_batch(setup, method):
+    """A seeded request gives the same tokens alone and among other requests (counter-based randomness)."""
+    _, model, tensors, prompts, _, _ = setup
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = engine(model, tensors, method=method, k=3).generate([prompts[5]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True)] * 6
+    batch = engine(model, tensors, method=method, k=3).generate(prompts[:5] + [prompts[5]] + prompts[6:7],
+                                                              others[:5] + [params] + others[5:6])
+    assert batch[5].token_ids == alone
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.paths import DEFAULT_MODEL
+
+    return load_checkpoint(DEFAULT_MODEL, dtype="float32")
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_demo_drafters_are_accepted_and_lossless(demo, method):
+    """The shipped drafters on the shipped target: most drafts are accepted, and the text is plain decoding's."""
+    prompts = ["Write a haiku about the sea.", "What is 12 times 7?", "def fibonacci(n):"]
+    tok = demo.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+           for p in prompts]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = [o.token_ids for o in LLMEngine(demo.model, demo.tokenizer).generate(ids, params)]
+    eng = LLMEngine(demo.model, demo.tokenizer, EngineConfig(speculative=method, num_spec_tokens=4,
+                                                              spec_budget="fixed"), demo.drafter_tensors)
+    assert [o.token_ids for o in eng.generate(ids, params)] == plain
+    assert eng.stats.num_accepted > 0.5 * eng.stats.num_drafted
+
+
+def test_host_and_device_drafters_share_one_interface(setup):
+    _, model, tensors, *_ = setup
+    assert build_proposer("ngram", model, {}, 2).on_device is False
+    assert build_proposer("dspark", model, tensors, 2).on_device is True
