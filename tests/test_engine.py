@@ -21,9 +21,9 @@ from sparkspec.engine.budget import (
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.kv_cache import cache_bytes_per_token, parse_memory, plan_kv_cache
 from sparkspec.engine.llm_engine import LLMEngine
-from sparkspec.generation import Generator
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec_decode.proposer import EMPTY_DRAFT, Draft, Proposer
+from sparkspec.ops.sampling import SamplingTensors
+from sparkspec.spec_decode.proposer import HostProposer
 from sparkspec.spec_decode.rejection import RejectionSampler
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -46,8 +46,7 @@ def prompts(ckpt):
 @pytest.fixture(scope="module")
 def reference(ckpt, prompts):
     """Plain greedy decoding, one prompt at a time."""
-    gen = Generator(ckpt.model)
-    return [gen.generate([p], GREEDY)[0].output_ids for p in prompts]
+    return [LLMEngine(ckpt.model).generate([p], GREEDY)[0].token_ids for p in prompts]
 
 
 def engine(ckpt, proposer=None, **kw) -> LLMEngine:
@@ -56,40 +55,29 @@ def engine(ckpt, proposer=None, **kw) -> LLMEngine:
     return LLMEngine(ckpt.model, ckpt.tokenizer, EngineConfig(**kw), ckpt.drafter_tensors, proposer=proposer)
 
 
-class OracleProposer(Proposer):
+class OracleProposer(HostProposer):
     """Drafts the reference continuation with a wrong token every few positions, so steps accept ragged
-    prefixes; a confidence per draft (high where right) exercises the adaptive budget."""
+    prefixes."""
 
     method = "oracle"
 
     def __init__(self, k: int, refs: dict[tuple, list[int]], vocab: int):
         super().__init__(k)
         self.refs, self.vocab = refs, vocab
-        self.started: set[int] = set()
 
-    def start(self, seqs):
-        self.started.update(s.seq_id for s in seqs)
-
-    def finish(self, seqs):
-        self.started.difference_update(s.seq_id for s in seqs)
-
-    def propose(self, seqs, num_tokens):
+    def propose_ids(self, token_ids, k):
         out = []
-        for s, k in zip(seqs, num_tokens):
-            assert s.seq_id in self.started
-            ref = self.refs.get(tuple(s.prompt_ids))
-            if not k or ref is None:
-                out.append(EMPTY_DRAFT)
+        for ids in token_ids:
+            prompt = next((p for p in self.refs if tuple(ids[: len(p)]) == p), None)
+            if prompt is None:
+                out.append([])
                 continue
-            n = len(s.output_ids)
-            tokens = list(ref[n : n + k]) + [5] * k
-            tokens = tokens[:k]
-            conf = [0.9] * k
-            bad = (n + s.seq_id) % 3  # corrupt one position of most blocks
+            n = len(ids) - len(prompt)
+            tokens = (list(self.refs[prompt][n : n + k]) + [5] * k)[:k]
+            bad = (n + len(prompt)) % 3  # corrupt one position of most blocks
             if bad < k:
                 tokens[bad] = (tokens[bad] + 1) % self.vocab
-                conf[bad] = 0.2
-            out.append(Draft(tokens, confidences=torch.tensor(conf)))
+            out.append(tokens)
         return out
 
 
@@ -200,12 +188,11 @@ def test_llm_offline_api(tiny_checkpoint_with_drafters):
 def test_kv_plan_counts_every_cache_kind(ckpt):
     kinds = cache_bytes_per_token(ckpt.config)
     assert all(kinds[k] > 0 for k in ("swa_kv", "compressor_state", "compressed_kv", "indexer"))
-    plan = plan_kv_cache(ckpt.config, block_size=8, max_num_seqs=4, max_model_len=64, spec_method="dspark",
-                         num_spec_tokens=4)
-    assert plan.num_blocks == 4 * (8 + plan.blocks_per_seq) and plan.blocks_per_seq >= 1
+    plan = plan_kv_cache(ckpt.config, block_size=8, max_num_seqs=4, max_model_len=64, drafter_bytes_per_token=64)
+    assert plan.num_blocks == 4 * 8 and plan.bytes_per_token["drafter"] == 64
     small = plan_kv_cache(ckpt.config, block_size=8, kv_cache_memory=plan.bytes_per_block * 10)
     assert small.num_blocks == 10
-    with pytest.raises(ValueError, match="at least"):
+    with pytest.raises(ValueError, match="holds no block"):
         plan_kv_cache(ckpt.config, block_size=8, kv_cache_memory=10)
     assert parse_memory("2M") == 2 << 20 and parse_memory("1.5GiB") == int(1.5 * 2**30)
 
@@ -276,8 +263,11 @@ def _first_tokens(early_stop: bool, trials: int, sps=APPENDIX_A_SPS, seed: int =
         else:  # global argmax over every prefix: looks at c2, which depends on d0
             thetas = [(1 + sum(a[:n])) * sps(1 + n) for n in range(3)]
             ell = max(range(3), key=lambda n: thetas[n])
-        v = RejectionSampler.verify_sampled(p[: ell + 1], Draft(d[:ell], q[:ell]), gen)
-        tokens = v.token_ids
+        st = SamplingTensors(torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
+                             torch.tensor([rng.getrandbits(62)]), False, False, False)
+        out, L = RejectionSampler()(p[: ell + 1].log().float().unsqueeze(0), torch.tensor([d[:ell]]).view(1, ell),
+                                    q[:ell].float().unsqueeze(0), st, torch.zeros(1, dtype=torch.long))
+        tokens = out[0, : int(L[0]) + 1].tolist()
         if len(tokens) == 1:  # one more plain step for the second token
             tokens = tokens + [int(torch.multinomial(p[1], 1, generator=gen))]
         first += tokens[0] == 0
