@@ -5,11 +5,13 @@ import pytest
 import torch
 from spec_helpers import drafter_tensors, one_thread, random_target, tiny_config, tiny_setup  # noqa: F401
 
-from sparkspec.models.dspark import DSparkDraftModel
+from sparkspec.models.dspark import DSparkDraftModel, context_rows
 from sparkspec.ops import ops
-from sparkspec.ops.indices import dspark_index_width
+from sparkspec.ops.indices import dspark_block_indices, dspark_index_width
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec_decode import SpeculativeGenerator, build_proposer
+from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.spec_decode import build_proposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +51,7 @@ def test_block_attention_is_non_causal_and_matches_dense_reference(drafter, num_
         ctx_kv = d.context_kv(main_x, torch.arange(num_ctx))[1]  # [num_ctx, D]
         h = torch.randn(k, cfg.hidden_size, generator=g, dtype=torch.float64)
         pos = torch.arange(num_ctx, num_ctx + k)
-        indices = d.block_indices(torch.tensor([[0, num_ctx]]), k, num_ctx)
+        indices = dspark_block_indices(context_rows(torch.tensor([[0, num_ctx]]), d.window), num_ctx, k)
         assert indices.shape == (k, dspark_index_width(W, k)) == (k, W + k)
         assert int((indices >= 0).sum(1).min()) == min(num_ctx, W) + k  # window + every block row, no overflow
         got = stage.block_attention(h, pos, ctx_kv, indices)
@@ -79,10 +81,10 @@ def test_batched_blocks_equal_blocks_run_alone(drafter):
         ends = torch.tensor(sizes).cumsum(0)
         batched = d.forward_block(model.embed, model.head, ids, starts,
                                   [torch.cat([c[l] for c in ctx]) for l in range(d.num_layers)],
-                                  torch.stack([ends - torch.tensor(sizes), ends], 1), prev)
+                                  context_rows(torch.stack([ends - torch.tensor(sizes), ends], 1), d.window), prev)
         for b, n in enumerate(sizes):
             alone = d.forward_block(model.embed, model.head, ids[b : b + 1], starts[b : b + 1], ctx[b],
-                                    torch.tensor([[0, n]]), prev[b : b + 1])
+                                    context_rows(torch.tensor([[0, n]]), d.window), prev[b : b + 1])
             for f in ("hidden", "base_logits", "markov_logits", "confidence_logits"):
                 torch.testing.assert_close(getattr(batched, f)[b], getattr(alone, f)[0], rtol=1e-4, atol=1e-5)
 
@@ -135,8 +137,17 @@ def test_confidence_head_on_hand_built_weights(drafter):
             d.last.confidence_head.proj.weight.copy_(saved)
 
 
+def prefill_and_draft(model, proposer, prompt, params):
+    """One engine step over `prompt`: the target samples the pending token and the drafter proposes."""
+    eng = LLMEngine(model, None, EngineConfig(spec_budget="fixed", max_num_seqs=2), proposer=proposer)
+    seq = eng.add_request(prompt, params)
+    eng.step()
+    return eng, seq
+
+
 def test_markov_chain_drives_greedy_drafts_left_to_right():
-    """With a zero LM head (U = 0) the drafts are exactly the Markov chain from the anchor: a -> b -> c -> a."""
+    """With a zero LM head (U = 0) the pending token is 0 (argmax of equal logits) and the drafts are exactly
+    the Markov chain from it: 0 -> 50 -> 60 -> 0 -> 50."""
     cfg = tiny_config()
     model = random_target(cfg, seed=0)
     with torch.no_grad():
@@ -145,47 +156,47 @@ def test_markov_chain_drives_greedy_drafts_left_to_right():
     n = cfg.num_dspark_layers - 1
     w1 = torch.zeros_like(tensors[f"mtp.{n}.markov_head.markov_w1.weight"])
     w2 = torch.zeros_like(tensors[f"mtp.{n}.markov_head.markov_w2.weight"])
-    chain = {40: 50, 50: 60, 60: 40}
+    chain = {0: 50, 50: 60, 60: 0}
     for i, (src, dst) in enumerate(chain.items()):
         w1[src, i] = 1.0
         w2[dst, i] = 10.0
     tensors[f"mtp.{n}.markov_head.markov_w1.weight"] = w1
     tensors[f"mtp.{n}.markov_head.markov_w2.weight"] = w2
-    proposer = build_proposer("dspark", model, tensors, 4)
-    gen = SpeculativeGenerator(model, None, proposer)
-    seqs = gen.start([[5, 6, 7]], SamplingParams(max_tokens=8))
-    seqs[0].output_ids[-1] = 40  # the anchor (the pending token)
-    drafts = proposer.propose(seqs, [4])
-    assert drafts[0].token_ids == [50, 60, 40, 50]
-    assert drafts[0].probs is None and drafts[0].confidences.shape == (4,)
+    eng, seq = prefill_and_draft(model, build_proposer("dspark", model, tensors, 4), [5, 6, 7],
+                                 SamplingParams(max_tokens=8))
+    assert seq.output_ids == [0]
+    assert seq.spec.draft_ids == [50, 60, 0, 50]
+    assert eng.spec.draft_probs is None and len(seq.spec.confidences) == 4
 
 
 def test_sampled_drafts_return_the_exact_markov_corrected_q(drafter):
     """q_i = processed(U_i + bias(prev_i)) with prev_0 = anchor, prev_i = d_{i-1}; teacher-forced forward_block
-    with those predecessors reproduces the same logits (training and inference share one path)."""
+    with those predecessors over the pooled context reproduces the same q (training and inference share one
+    path)."""
     cfg, model, _ = drafter
     tensors = tiny_setup()[2]
     proposer = build_proposer("dspark", model, tensors, 4)
-    gen = SpeculativeGenerator(model, None, proposer)
-    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=1)
-    seqs = gen.start([[9, 8, 7, 6, 5, 4, 33, 21]], params)
-    d = proposer.propose(seqs, [4])[0]
-    assert d.probs.shape == (4, cfg.vocab_size)
-    torch.testing.assert_close(d.probs.sum(-1), torch.ones(4, dtype=d.probs.dtype))
-    assert ((d.probs > 0).sum(-1) <= 50).all()
-    anchor = seqs[0].output_ids[-1]
-    st = proposer.states[seqs[0].seq_id]
-    N = seqs[0].cache.num_tokens
+    prompt = [9, 8, 7, 6, 5, 4, 33, 21]
+    eng, seq = prefill_and_draft(model, proposer, prompt,
+                                 SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=1))
+    probs, tokens = eng.spec.draft_probs[seq.spec.draft_row], seq.spec.draft_ids
+    assert probs.shape == (4, cfg.vocab_size)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4, dtype=probs.dtype))
+    assert ((probs > 0).sum(-1) <= 50).all()
+    assert all(probs[i, t] > 0 for i, t in enumerate(tokens))
+    N, bs = len(prompt), eng.kv_plan.block_size
+    rows = torch.tensor([seq.block_ids[p // bs] * bs + p % bs for p in range(N)])  # the pooled context rows
+    ctx = [pool[rows] for pool in proposer.pools]
+    anchor = seq.output_ids[-1]
     ids = torch.tensor([[anchor] + [cfg.dspark_noise_token_id] * 3])
-    prev = torch.tensor([[anchor] + d.token_ids[:3]])
+    prev = torch.tensor([[anchor] + tokens[:3]])
     with torch.no_grad():
-        out = proposer.drafter.forward_block(model.embed, model.head, ids, torch.tensor([N]), st.ctx_kv,
-                                             torch.tensor([[0, st.ctx_kv[0].shape[0]]]), prev)
-    n = 4
-    q = ops.process_logits(out.markov_logits[0], torch.full((n,), 0.9), torch.full((n,), 50), torch.ones(n))
-    torch.testing.assert_close(d.probs, q)
-    assert all(d.probs[i, t] > 0 for i, t in enumerate(d.token_ids))
-    torch.testing.assert_close(d.confidences, torch.sigmoid(out.confidence_logits[0]))
+        out = proposer.drafter.forward_block(model.embed, model.head, ids, torch.tensor([N]), ctx,
+                                             context_rows(torch.tensor([[0, N]]), proposer.window), prev)
+    q = ops.process_logits(out.markov_logits[0], torch.full((4,), 0.9), torch.full((4,), 50), torch.ones(4))
+    torch.testing.assert_close(probs, q.to(probs.dtype))
+    torch.testing.assert_close(torch.tensor(seq.spec.confidences), torch.sigmoid(out.confidence_logits[0]).double(),
+                               check_dtype=False)
 
 
 def test_calibrated_confidence_uses_per_position_temperatures():
