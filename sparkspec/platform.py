@@ -1,4 +1,5 @@
-"""Which device family we run on (cuda | rocm | xpu | cpu) — detected once, used by the op table."""
+"""Which device family the machine has (cuda | rocm | xpu | cpu), detected once: it picks the default device and
+dtype. Ops do not use it: they dispatch on the device of their tensors (`op_backend`, `sparkspec.ops.registry`)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,60 @@ def current_platform() -> PlatformInfo:
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         return PlatformInfo("xpu", torch.device("xpu"), _has_triton(), True)
     return PlatformInfo("cpu", torch.device("cpu"), _has_triton(), True)
+
+
+def op_backend(device_type: str) -> str:
+    """The op-registration key for tensors of `device_type`: cpu -> native; a "cuda" tensor is cuda or rocm
+    depending on the torch build (HIP reuses the cuda device type); xpu -> xpu; anything else (mps, meta) native."""
+    if device_type == "cuda":
+        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    return device_type if device_type == "xpu" else "native"
+
+
+def available_device_types() -> list[str]:
+    """Device types this process can put tensors on, cpu first."""
+    types = ["cpu"]
+    if torch.cuda.is_available():
+        types.append("cuda")
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        types.append("xpu")
+    return types
+
+
+def _version(module: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment_lines() -> list[str]:
+    """`sparkspec env`: platform, library versions, devices, and which op implementation each device type gets."""
+    from sparkspec.ops.registry import implementation_table
+
+    plat = current_platform()
+    hip = getattr(torch.version, "hip", None)
+    lines = [f"platform      {plat.name} (default device {plat.device})",
+             f"torch         {torch.__version__}" + (f" (HIP {hip})" if hip else
+                                                      f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""),
+             f"triton        {_version('triton')}", f"transformers  {_version('transformers')}", "", "devices:"]
+    import os
+
+    lines.append(f"  cpu     {os.cpu_count()} cores, {torch.get_num_threads()} torch threads")
+    for kind, mod in (("cuda", torch.cuda), ("xpu", getattr(torch, "xpu", None))):
+        if kind in available_device_types():
+            for i in range(mod.device_count()):
+                props = mod.get_device_properties(i)
+                lines.append(f"  {kind}:{i}  {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    table = implementation_table()
+    names = sorted(next(iter(table.values())))
+    rows = [["op"] + list(table)] + [[n] + [table[t][n] for t in table] for n in names]
+    widths = [max(len(r[i]) for r in rows) + 2 for i in range(len(rows[0]))]
+    lines += ["", "op implementation per device type:"]
+    lines += ["  " + "".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return lines
 
 
 def default_dtype(platform: PlatformInfo | None = None) -> torch.dtype:

@@ -23,8 +23,7 @@ def use_native_ops() -> None:
     """Training needs autograd through every op: use the PyTorch references, not inference kernels."""
     from sparkspec.ops.registry import ops
 
-    ops.use_native = True
-    ops._resolved.clear()
+    ops.set_native(True)
 
 
 def seed_everything(seed: int) -> torch.Generator:
