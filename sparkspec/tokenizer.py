@@ -127,6 +127,11 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens (the ones `decode(..., skip_special_tokens=True)` drops)."""
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render `messages` ([{"role": "user", "content": "..."}, ...]) with the checkpoint's chat template."""
         if self.chat_template is None:
@@ -141,6 +146,55 @@ class Tokenizer:
                 pad_token=self.pad_token or "")
         except _TemplateRaised as e:
             raise ValueError(f"chat template: {e}") from None
+
+
+class IncrementalDetokenizer:
+    """Text of one request's output, produced piece by piece as tokens arrive (streaming, stop strings).
+
+    Decoding the whole output at every step costs O(length) per step; this keeps a window of the last emitted
+    tokens (decoding context, so decoders that strip a leading space still see the token before) plus the
+    tokens not yet shown, and decodes only that: O(new tokens) per step. A window whose text ends in U+FFFD
+    stops in the middle of a multi-byte UTF-8 character: that tail is held back until a later token
+    completes it, so every piece is final. Special tokens are skipped (skip_special_tokens=True), which also
+    keeps a stream of them (EOS with ignore_eos) from growing the window. The pieces concatenated, plus
+    `flush()` at the end, equal `tokenizer.decode(all_ids, skip_special_tokens=True)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""  # everything emitted so far
+        self._skip = tokenizer.special_ids
+        self._window: list[int] = []  # [context tokens (already shown) | pending tokens]
+        self._num_context = 0
+        self._context_len: int | None = 0  # len(decode(context)); None = not computed yet
+
+    def feed(self, ids: Iterable[int]) -> str:
+        """Add new token ids -> the newly completed text ('' while a character is still incomplete)."""
+        new = [i for i in ids if i not in self._skip]
+        if not new:
+            return ""
+        self._window += new
+        text = self._decode_window()
+        if text.endswith("\ufffd"):
+            return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        """The held-back tail when the request ends (U+FFFD for bytes that never formed a character)."""
+        return self._emit(self._decode_window()) if len(self._window) > self._num_context else ""
+
+    def _decode_window(self) -> str:
+        if self._context_len is None:
+            self._context_len = len(self.tokenizer.decode(self._window[: self._num_context]))
+        return self.tokenizer.decode(self._window)
+
+    def _emit(self, text: str) -> str:
+        piece = text[self._context_len :]
+        self._window = self._window[self._num_context :]  # the tokens just shown become the next context
+        self._num_context = len(self._window)
+        self._context_len = None
+        self.text += piece
+        return piece
 
 
 class _TemplateRaised(Exception):
