@@ -1,4 +1,4 @@
-"""`sparkspec init | generate | serve | bench | train | eval`.
+"""`sparkspec init | generate | env | serve | bench | train | eval`.
 
 User errors (bad flags, missing files, bad config fields, bad prompts) print one line to stderr and exit 2.
 """
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
+from sparkspec.paths import DEFAULT_MODEL
 
 
 class UserError(Exception):
@@ -57,9 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec", choices=["none", "dspark", "mtp", "ngram"], default=None,
                    help="speculative method (default: dspark when the checkpoint has DSpark weights)")
     g.add_argument("--num-spec-tokens", type=int, default=None)
+    g.add_argument("--spec-budget", choices=["fixed", "adaptive"], default="fixed",
+                   help="fixed: always draft k tokens; adaptive: the engine's measured verification budget")
     g.add_argument("--device", default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("env", help="platform, library versions, devices, and the op implementation per device")
+    e.set_defaults(func=cmd_env)
 
     _add_optional(sub, "sparkspec.serve.cli", "add_serve_parser")
     _add_optional(sub, "sparkspec.bench.cli", "add_bench_parser")
@@ -77,20 +82,10 @@ def cmd_init(args) -> int:
     return 0
 
 
-def read_prompts(args, tokenizer) -> list[tuple[str | None, list[int]]]:
-    """-> [(prompt text or None, prompt token ids)]."""
-    items: list[tuple[str | None, list[int]]] = []
-
-    def from_text(text: str, chat: bool) -> tuple[str, list[int]]:
-        if tokenizer is None:
-            raise UserError(f"{args.model}: no tokenizer.json; pass prompt_token_ids in --prompts-file")
-        if chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return text, tokenizer.encode(text, add_special_tokens=not chat)
-
+def read_prompt_items(args) -> list[tuple[str, object, bool]]:
+    """Parse --prompt / --prompts-file before the model loads -> [("text", str, chat) | ("ids", [int], False)]."""
+    items: list[tuple[str, object, bool]] = []
     if args.prompts_file is not None:
-        if not args.prompts_file.is_file():
-            raise UserError(f"prompts file not found: {args.prompts_file}")
         for n, line in enumerate(args.prompts_file.read_text().splitlines(), 1):
             if not line.strip():
                 continue
@@ -105,90 +100,105 @@ def read_prompts(args, tokenizer) -> list[tuple[str | None, list[int]]]:
                 ids = obj["prompt_token_ids"]
                 if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
                     raise UserError(f"{where}: 'prompt_token_ids' must be a list of integers")
-                items.append((None, ids))
+                items.append(("ids", ids, False))
             elif isinstance(obj.get("prompt"), str):
-                items.append(from_text(obj["prompt"], args.chat))
+                items.append(("text", obj["prompt"], args.chat))
             elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
-                items.append(from_text(obj["turns"][0], True))
+                items.append(("text", obj["turns"][0], True))
             else:
                 raise UserError(f"{where}: expected 'prompt', 'prompt_token_ids' or 'turns'")
     else:
-        for text in args.prompt or ["The quick brown fox"]:
-            items.append(from_text(text, args.chat))
+        items = [("text", text, args.chat) for text in args.prompt or ["The quick brown fox"]]
     if not items:
         raise UserError("no prompts given")
     return items
+
+
+def encode_prompts(items, tokenizer, model_dir) -> list[tuple[str | None, list[int]]]:
+    """-> [(prompt text or None, prompt token ids)]; chat prompts get the checkpoint's template (it adds BOS)."""
+    out: list[tuple[str | None, list[int]]] = []
+    for kind, value, chat in items:
+        if kind == "ids":
+            out.append((None, value))
+            continue
+        if tokenizer is None:
+            raise UserError(f"{model_dir}: no tokenizer.json; pass prompt_token_ids in --prompts-file")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": value}]) if chat else value
+        out.append((text, tokenizer.encode(text, add_special_tokens=not chat)))
+    return out
 
 
 def cmd_generate(args) -> int:
     import torch
 
     from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.engine.llm import LLM
     from sparkspec.sampling_params import SamplingParams
+    from sparkspec.spec_decode.metrics import SpecMetrics
 
     if not args.model.exists():
         raise UserError(f"model directory not found: {args.model}")
+    if args.prompts_file is not None and not args.prompts_file.is_file():
+        raise UserError(f"prompts file not found: {args.prompts_file}")
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     except ValueError as e:
         raise UserError(str(e)) from None
-    device = torch.device(args.device) if args.device else None
-    ckpt = load_checkpoint(args.model, device=device, progress=True)
-    prompts = read_prompts(args, ckpt.tokenizer)
+    items = read_prompt_items(args)
+    ckpt = load_checkpoint(args.model, device=torch.device(args.device) if args.device else None, progress=True)
+    prompts = encode_prompts(items, ckpt.tokenizer, args.model)
+    max_pos = ckpt.config.max_position_embeddings
     for i, (_, ids) in enumerate(prompts):
-        if len(ids) >= ckpt.config.max_position_embeddings:
-            raise UserError(f"prompt {i}: {len(ids)} tokens exceeds max_position_embeddings="
-                            f"{ckpt.config.max_position_embeddings}")
-    method = args.spec
-    if method is None:
-        method = "dspark" if _has_dspark(ckpt) else "none"
-    if method == "none":
-        from sparkspec.generation import Generator
-
-        gen = Generator(ckpt.model, ckpt.tokenizer)
-    else:
-        from sparkspec.spec_decode import SpeculativeGenerator, build_proposer
-
-        try:
-            proposer = build_proposer(method, ckpt.model, ckpt.drafter_tensors, args.num_spec_tokens)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        gen = SpeculativeGenerator(ckpt.model, ckpt.tokenizer, proposer)
-    t0 = time.perf_counter()
+        if len(ids) >= max_pos:
+            raise UserError(f"prompt {i}: {len(ids)} tokens exceeds max_position_embeddings={max_pos}")
+    # size the engine for this batch: every prompt runs at once, the KV cache holds exactly what they need
+    max_len = min(max(len(ids) for _, ids in prompts) + args.max_tokens, max_pos)
     try:
-        seqs = gen.generate([ids for _, ids in prompts], params)
+        llm = LLM(ckpt, speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
+                  spec_budget=args.spec_budget, max_num_seqs=min(len(prompts), 64), max_model_len=max(max_len, 2))
+        t0 = time.perf_counter()
+        outs = llm.generate([ids for _, ids in prompts], params)
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise UserError(str(e).splitlines()[0]) from None
     total = time.perf_counter() - t0
-    for (text, ids), s in zip(prompts, seqs):
-        elapsed = (s.end_time or time.perf_counter()) - s.start_time
-        if ckpt.tokenizer is not None and not s.text:
-            s.text = ckpt.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+    spec = [SpecMetrics.from_request(llm.method, llm.num_spec_tokens, o.metrics) for o in outs]
+    for i, ((text, ids), out) in enumerate(zip(prompts, outs)):
         if args.json:
-            metrics = getattr(s, "spec_metrics", None)
-            print(json.dumps({
-                "prompt": text, "prompt_token_ids": ids, "token_ids": s.output_ids, "text": s.text,
-                "num_prompt_tokens": len(ids), "num_generated_tokens": len(s.output_ids),
-                "elapsed_s": round(elapsed, 4),
-                "tokens_per_s": round(len(s.output_ids) / max(elapsed, 1e-9), 2),
-                "spec": metrics.to_dict() if metrics is not None else None,
-            }))
+            print(json.dumps(output_record(text, ids, out, spec[i] if llm.method != "none" else None)))
         else:
-            print(s.text)
+            if len(outs) > 1:
+                print(("\n" if i else "") + f"--- prompt {i} ---")
+            print(out.text)
     if not args.json:
-        n = sum(len(s.output_ids) for s in seqs)
-        line = f"[{len(seqs)} prompts, {n} tokens in {total:.2f}s, {n / max(total, 1e-9):.1f} tok/s, spec={method}"
-        agg = getattr(gen, "aggregate_metrics", None)
-        if callable(agg):
-            m = agg(seqs).to_dict()
-            line += f", tau={m['acceptance_length']:.2f}"
+        n = sum(len(o.token_ids) for o in outs)
+        line = f"[{len(outs)} prompts, {n} tokens in {total:.2f}s, {n / max(total, 1e-9):.1f} tok/s, spec={llm.method}"
+        if llm.method != "none":
+            line += f", tau={SpecMetrics.aggregate(spec, llm.method, llm.num_spec_tokens).acceptance_length:.2f}"
         print(line + "]", file=sys.stderr)
     return 0
 
 
-def _has_dspark(ckpt) -> bool:
-    return ckpt.config.has_dspark and any(k.endswith("main_proj.weight") for k in ckpt.drafter_tensors)
+def output_record(text: str | None, ids: list[int], out, spec) -> dict:
+    """One line of `generate --json`: tokens, text, timings (engine clock, seconds) and acceptance metrics."""
+    m = out.metrics
+    elapsed = (m.get("finish_time") or time.perf_counter()) - m["arrival_time"]
+    first = m.get("first_token_time")
+    n = len(out.token_ids)
+    return {
+        "prompt": text, "prompt_token_ids": ids, "token_ids": out.token_ids, "text": out.text,
+        "finish_reason": out.finish_reason, "num_prompt_tokens": len(ids), "num_generated_tokens": n,
+        "elapsed_s": round(elapsed, 4), "ttft_s": round(first - m["arrival_time"], 4) if first else None,
+        "tokens_per_s": round(n / max(elapsed, 1e-9), 2),
+        "spec": spec.to_dict() if spec is not None else None,
+    }
+
+
+def cmd_env(args) -> int:
+    from sparkspec.platform import environment_lines
+
+    print("\n".join(environment_lines()))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

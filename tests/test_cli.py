@@ -40,3 +40,65 @@ def test_missing_optional_package_names_the_extra(capsys, monkeypatch, tiny_chec
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` now fails like an absent package
     code, err = run(capsys, "serve", "--model", str(tiny_checkpoint))
     assert code == 2 and "sparkspec[serve]" in err[-1]
+
+
+def test_a_missing_prompts_file_is_reported_before_the_model_loads(capsys, monkeypatch, tiny_checkpoint, tmp_path):
+    import sparkspec.checkpoint
+
+    monkeypatch.setattr(sparkspec.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("model loaded"))
+    code, err = run(capsys, "generate", "--model", str(tiny_checkpoint), "--prompts-file", str(tmp_path / "no.jsonl"))
+    assert code == 2 and err == [f"error: prompts file not found: {tmp_path / 'no.jsonl'}"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "--datasets", "gsm8k", "--num-prompts", "1"],
+    ["bench", "offline", "--model", "MODEL"],
+])
+def test_plot_without_matplotlib_fails_before_running(capsys, monkeypatch, tiny_checkpoint, tmp_path, argv):
+    import sparkspec.checkpoint
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(sparkspec.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("model loaded"))
+    argv = [str(tiny_checkpoint) if a == "MODEL" else a for a in argv]
+    code, err = run(capsys, *argv, "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and len(err) == 1 and "sparkspec[bench]" in err[0]
+
+
+def test_generate_separates_prompts_and_reports_spec_metrics(capsys, tiny_checkpoint_with_drafters):
+    ck = str(tiny_checkpoint_with_drafters)
+    code = main(["generate", "--model", ck, "--prompt", "Hi", "--prompt", "Bye", "--max-tokens", "5",
+                 "--ignore-eos", "--spec", "none"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("--- prompt 0 ---\n") and "\n\n--- prompt 1 ---\n" in out
+    code = main(["generate", "--model", ck, "--prompt", "Hi", "--max-tokens", "9", "--ignore-eos", "--spec", "mtp",
+                 "--json"])
+    rec = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(rec["token_ids"]) == 9 and rec["elapsed_s"] > 0 and rec["ttft_s"] is not None
+    spec = rec["spec"]
+    assert spec["method"] == "mtp" and spec["num_steps"] > 0
+    assert spec["acceptance_length"] == pytest.approx((spec["num_accepted_tokens"] + spec["num_steps"])
+                                                      / spec["num_steps"], abs=1e-4)
+    assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert {"acceptance_rate", "num_draft_tokens", "text"} <= set(spec) | set(rec)
+
+
+def test_bench_offline_writes_json_only_where_asked(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "offline", "--model", str(tiny_checkpoint), "--settings", "none", "--concurrency", "2",
+            "--output-len", "3", "--num-prompts", "2", "--min-requests", "2", "--device", "cpu"]
+    assert main(args) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert main(args + ["--json", "out/b.json"]) == 0
+    assert json.loads((tmp_path / "out" / "b.json").read_text())["results"][0]["setting"] == "none"
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_env_lists_every_op(capsys):
+    from sparkspec.ops.registry import op_names
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "triton" in out and "transformers" in out and "cpu" in out
+    ops_section = out.split("op implementation per device type:")[1]
+    for name in op_names():
+        assert f"  {name} " in ops_section

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, run_full
 from safetensors.torch import save_file
 
 from sparkspec.checkpoint import load_checkpoint
 from sparkspec.config import CSA, HCA, SLIDING
-from sparkspec.generation import Generator
-from sparkspec.models.deepseek_v4 import Batch
+from sparkspec.engine.llm import LLM
 from sparkspec.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -89,7 +88,7 @@ def test_same_logits(pair):
     hf, ours = pair
     ids = prompt_ids(ours.config.vocab_size, SEQ_LEN)
     want = hf(ids.unsqueeze(0)).logits[0]
-    got = ours.model(ids.to(DEVICE), Batch([(0, SEQ_LEN)], [0], [ours.model.new_cache()])).logits
+    got = run_full(ours.model, ids.to(DEVICE)).logits
     assert float(want.std()) > 0.5  # the comparison is sensitive: logits are O(1), not ~0
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=0)
 
@@ -97,13 +96,14 @@ def test_same_logits(pair):
 @torch.no_grad()
 def test_same_greedy_tokens(pair):
     hf, ours = pair
+    llm = LLM(ours, max_num_seqs=1, max_model_len=PROMPT_LEN + NEW_TOKENS)
     for seed in (2, 3):
         ids = prompt_ids(ours.config.vocab_size, PROMPT_LEN, seed)
         hf.generation_config.eos_token_id = None  # compare all NEW_TOKENS, never stopping early
         want = hf.generate(ids.unsqueeze(0), max_new_tokens=NEW_TOKENS, do_sample=False,
                            pad_token_id=0)[0, PROMPT_LEN:].tolist()
-        got = Generator(ours.model).generate([ids.tolist()], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-        assert got[0].output_ids == want
+        got = llm.generate([ids.tolist()], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert got[0].token_ids == want
         assert len(set(want)) > 5  # a varied continuation, not one repeated token
 
 
@@ -121,5 +121,5 @@ def test_transformers_module_names_load(tmp_path):
     ids = prompt_ids(cfg.vocab_size, 40)
     with torch.no_grad():
         want = hf(ids.unsqueeze(0)).logits[0]
-        got = ours.model(ids.to(DEVICE), Batch([(0, 40)], [0], [ours.model.new_cache()])).logits
+        got = run_full(ours.model, ids.to(DEVICE)).logits
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=0)

@@ -357,13 +357,13 @@ def test_tokenizer_errors_name_the_file(tmp_path, tiny_checkpoint):
 
 
 def test_tiny_checkpoint_generates_varied_tokens(tiny_checkpoint):
-    from sparkspec.generation import Generator
+    from sparkspec.engine.llm import LLM
     from sparkspec.sampling_params import SamplingParams
 
-    ck = load_checkpoint(tiny_checkpoint, device=DEVICE)
-    prompt = ck.tokenizer.encode(ck.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}]))
-    seq = Generator(ck.model, ck.tokenizer).generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
-    assert len(seq.output_ids) == 40 and len(set(seq.output_ids)) > 10
+    llm = LLM(tiny_checkpoint, device=DEVICE, max_num_seqs=1, max_model_len=128)
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}]))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert len(out.token_ids) == 40 and len(set(out.token_ids)) > 10
 
 
 def test_init_checkpoint_sharded_and_bf16(tmp_path):

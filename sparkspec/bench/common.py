@@ -5,7 +5,8 @@ Definitions (per concurrency level, one speculative setting):
   * tok/s total     output tokens of all requests / wall time of the level
   * tok/s per user  mean over requests of (output tokens - 1) / (finish - first token) = 1 / TPOT of the request
   * TTFT            request sent -> first token;  TPOT  (finish - first token) / (output tokens - 1)
-  * tau             mean tokens per verify step of a request, incl. the bonus token (1.0 without speculation)
+  * tau             tokens per verification step, pooled over the level's requests (1.0 without speculation);
+                    the definition is `sparkspec.spec_decode.metrics`'s, as everywhere else
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def percentile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def summarize(label: str, concurrency: int, timings: list[RequestTiming], duration: float,
-              spec_steps: int = 0, accepted: int = 0, drafted: int = 0) -> dict:
+def summarize(label: str, concurrency: int, timings: list[RequestTiming], duration: float, spec=None) -> dict:
+    """One row of the table; `spec`: the level's pooled `SpecMetrics` (None without speculation)."""
     tokens = sum(t.num_output_tokens for t in timings)
     ttft = [t.ttft for t in timings if t.ttft is not None]
     tpot = [t.tpot for t in timings if t.tpot is not None]
@@ -56,8 +57,10 @@ def summarize(label: str, concurrency: int, timings: list[RequestTiming], durati
         "tok_s_per_user": round(sum(per_user) / len(per_user), 2) if per_user else 0.0,
         "ttft_ms_p50": round(1000 * percentile(ttft, 50), 2), "ttft_ms_p99": round(1000 * percentile(ttft, 99), 2),
         "tpot_ms_p50": round(1000 * percentile(tpot, 50), 2), "tpot_ms_p99": round(1000 * percentile(tpot, 99), 2),
-        "tau": round(1 + accepted / spec_steps, 3) if spec_steps else 1.0,
-        "drafted": drafted, "accepted": accepted,
+        "tau": round(spec.acceptance_length, 3) if spec is not None else 1.0,
+        "spec_steps": spec.num_steps if spec is not None else 0,
+        "drafted": spec.num_draft_tokens if spec is not None else 0,
+        "accepted": spec.num_accepted_tokens if spec is not None else 0,
     }
 
 
@@ -84,6 +87,12 @@ def write_json(path: str | Path, rows: list[dict], meta: dict, append: bool = Fa
         old = json.loads(path.read_text()).get("results", [])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "results": old + rows}, indent=2) + "\n")
+
+
+def require_plotting() -> None:
+    """Called before a `--plot` run starts: a missing matplotlib fails in a second (exit 2, naming the `bench`
+    extra through the CLI's ModuleNotFoundError handler), not after the whole benchmark has run."""
+    import matplotlib  # noqa: F401
 
 
 def plot(rows: list[dict], path: str | Path, title: str = "throughput vs concurrency") -> None:

@@ -1,15 +1,12 @@
 """`sparkspec eval`: acceptance of speculative methods on DeepSpec-format prompt sets, batch size 1.
 
-Protocol (DeepSpec `eval.py`, as restated in ../shared/reference/dspark_spec.md §5): the first turn of each
-prompt (`turns[0]`) with the checkpoint's chat template, one request at a time, `--max-tokens` new tokens,
-seed = `--seed` + prompt index. Metrics per dataset, pooled over all verify steps of all prompts:
-* τ = Σ(accepted + 1) / #steps (includes the bonus / recovered token; no speculation gives 1);
-* accept_rate@i = steps whose drafts 1..i were all accepted / steps that drafted position i (prefix survival,
-  DeepSpec's `accept_rate@k`); cond@i = accept_rate@i / accept_rate@(i-1), the conditional acceptance of the
-  DSpark paper's Fig. 2 (exact when every step drafts k tokens, as DSpark and MTP do; for n-gram, whose
-  drafts vary in length, it is an approximation and can exceed 1);
-* tok/s = generated tokens / wall time of the decode loop (prefill included), and the same for plain decoding
-  when `--baseline` is given (speed ratio in one run).
+Protocol (DeepSpec `eval.py`): the first turn of each prompt (`turns[0]`) with the checkpoint's chat template,
+one request at a time through the engine (`max_num_seqs=1`, fixed verification budget: every step drafts k
+tokens), `--max-tokens` new tokens, seed = `--seed` + prompt index. Metrics per dataset, pooled over all
+verify steps of all prompts, as defined in `sparkspec.spec_decode.metrics`: τ, accept_rate@i (prefix survival)
+and cond@i = accept_rate@i / accept_rate@(i-1) (the DSpark paper's Fig. 2). tok/s = generated tokens / wall
+time of the generation loop (prefill included, engine start-up excluded), and the same for plain decoding when
+`--baseline` is given (speed ratio in one run).
 """
 
 from __future__ import annotations
@@ -27,7 +24,8 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the shipped demo)")
     p.add_argument("--spec", default="dspark", help="dspark | mtp | ngram, or a comma list")
     p.add_argument("--datasets", default=",".join(DATASETS), help="comma list of <name>.jsonl files")
-    p.add_argument("--data-dir", type=Path, default=None, help="where <name>.jsonl live (default: search)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="where <name>.jsonl live (default: $SPARKSPEC_EVAL_DIR, else the repository's data/eval)")
     p.add_argument("--temperature", default="0", help="0 | 1, or a comma list")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -41,43 +39,40 @@ def add_eval_parser(subparsers) -> None:
 
 
 def load_prompts(name: str, data_dir: Path | None, tokenizer, num: int) -> list[list[int]]:
-    from sparkspec.train.data import find_eval_file, read_turns
+    from sparkspec.paths import find_eval_file
+    from sparkspec.train.data import read_turns
 
-    path = data_dir / f"{name}.jsonl" if data_dir else find_eval_file(name)
-    if not path.is_file():
-        raise FileNotFoundError(f"eval dataset '{name}': {path} not found")
-    turns = read_turns(path)[:num]
+    turns = read_turns(find_eval_file(name, data_dir))[:num]
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t[0]}])) for t in turns]
 
 
-def run_method(model, tokenizer, drafter_tensors, method: str, prompts: list[list[int]], temperature: float,
-               max_tokens: int, k: int | None, seed: int) -> dict:
-    """Batch-1 generation of every prompt -> pooled metrics (method 'none' = plain decoding)."""
-    from sparkspec.generation import Generator
-    from sparkspec.sampling_params import SamplingParams
-    from sparkspec.spec_decode import SpecMetrics, SpeculativeGenerator, build_proposer
+def make_engine(checkpoint, method: str, k: int | None, max_len: int):
+    """One batch-1 engine per method (method 'none' = plain decoding), shared by every dataset and temperature."""
+    from sparkspec.engine.llm import LLM
 
-    if method == "none":
-        gen = Generator(model, tokenizer)
-    else:
-        proposer = build_proposer(method, model, drafter_tensors, num_spec_tokens=k)
-        gen = SpeculativeGenerator(model, tokenizer, proposer)
+    return LLM(checkpoint, speculative=method, num_spec_tokens=k, spec_budget="fixed", max_num_seqs=1,
+               max_model_len=max_len)
+
+
+def run_method(llm, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int) -> dict:
+    """Generate every prompt, one at a time -> the pooled metrics row."""
+    from sparkspec.sampling_params import SamplingParams
+    from sparkspec.spec_decode.metrics import SpecMetrics
+
     metrics, tokens, t0 = [], 0, time.perf_counter()
     for i, ids in enumerate(prompts):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
-        (seq,) = gen.generate([ids], params)
-        tokens += len(seq.output_ids)
-        if method != "none":
-            metrics.append(seq.spec_metrics)
+        (out,) = llm.generate([ids], params)
+        tokens += len(out.token_ids)
+        metrics.append(SpecMetrics.from_request(llm.method, llm.num_spec_tokens, out.metrics))
     wall = time.perf_counter() - t0
-    row = {"method": method, "temperature": temperature, "prompts": len(prompts), "tokens": tokens,
+    row = {"method": llm.method, "temperature": temperature, "prompts": len(prompts), "tokens": tokens,
            "time_s": round(wall, 2), "tok_s": round(tokens / wall, 2)}
-    if method != "none":
-        m = SpecMetrics.aggregate(metrics, method, gen.num_spec_tokens)
-        surv = m.acceptance_rate_per_position
-        cond = [surv[0]] + [surv[i] / surv[i - 1] if surv[i - 1] else 0.0 for i in range(1, len(surv))]
+    if llm.method != "none":
+        m = SpecMetrics.aggregate(metrics, llm.method, llm.num_spec_tokens)
         row.update(k=m.num_spec_tokens, tau=round(m.acceptance_length, 4), steps=m.num_steps,
-                   accept_rate=[round(x, 4) for x in surv], cond_accept=[round(x, 4) for x in cond])
+                   accept_rate=[round(x, 4) for x in m.accept_rate_per_position],
+                   cond_accept=[round(x, 4) for x in m.conditional_accept_rate])
     return row
 
 
@@ -133,25 +128,30 @@ def write_json(path: Path, model_dir: Path, model, args, rows: list[dict]) -> No
 
 
 def cmd_eval(args) -> int:
+    from sparkspec.bench.common import require_plotting
     from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.paths import DEFAULT_MODEL, find_eval_file
 
-    model_dir = args.model
-    if model_dir is None:
-        from sparkspec.cli import DEFAULT_MODEL
-
-        model_dir = DEFAULT_MODEL
+    if args.plot:
+        require_plotting()
+    model_dir = args.model or DEFAULT_MODEL
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    for ds in datasets:  # a missing file is reported before the model loads
+        find_eval_file(ds, args.data_dir)
+    methods = (["none"] if args.baseline else []) + [m.strip() for m in args.spec.split(",") if m.strip()]
+    temps = [float(t) for t in args.temperature.split(",")]
     ck = load_checkpoint(model_dir, device=args.device)
     if ck.tokenizer is None:
         raise ValueError(f"{model_dir}: no tokenizer.json (eval needs the chat template)")
-    methods = [m.strip() for m in args.spec.split(",") if m.strip()]
-    temps = [float(t) for t in args.temperature.split(",")]
+    prompts = {ds: load_prompts(ds, args.data_dir, ck.tokenizer, args.num_prompts) for ds in datasets}
+    longest = max((len(p) for ps in prompts.values() for p in ps), default=1)
+    max_len = min(longest + args.max_tokens, ck.config.max_position_embeddings)
+    engines = {m: make_engine(ck, m, args.num_spec_tokens, max_len) for m in methods}
     rows = []
-    for ds in [d.strip() for d in args.datasets.split(",") if d.strip()]:
-        prompts = load_prompts(ds, args.data_dir, ck.tokenizer, args.num_prompts)
+    for ds in datasets:
         for t in temps:
-            for method in (["none"] if args.baseline else []) + methods:
-                row = {"dataset": ds, **run_method(ck.model, ck.tokenizer, ck.drafter_tensors, method, prompts, t,
-                                                   args.max_tokens, args.num_spec_tokens, args.seed)}
+            for method in methods:
+                row = {"dataset": ds, **run_method(engines[method], prompts[ds], t, args.max_tokens, args.seed)}
                 rows.append(row)
                 print(f"{ds} {method} T={t:g}: tau {row.get('tau', 1.0)}  {row['tok_s']} tok/s  "
                       f"cond {row.get('cond_accept', '')}", file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """`sparkspec bench offline`: the engine in-process, a closed loop of `c` requests in flight per concurrency level,
 fixed output length (EOS ignored), one engine per speculative setting (`none`, `dspark:fixed`, `dspark:adaptive`,
-`mtp:fixed:2`, ...). Prints the table, writes JSON, and with `--plot` a PNG."""
+`mtp:fixed:2`, ...). Prints the table; writes JSON only where `--json` says, and with `--plot` a PNG."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from sparkspec.bench.common import RequestTiming, format_table, plot, summarize, write_json
+from sparkspec.bench.common import RequestTiming, format_table, plot, require_plotting, summarize, write_json
 from sparkspec.bench.prompts import load_prompts
 
 
@@ -45,25 +45,28 @@ class Setting:
         return cls(method, budget, k)
 
 
-def run_level(engine, prompt_ids: list[list[int]], concurrency: int, num_requests: int, params) -> dict:
+def run_level(engine, prompt_ids: list[list[int]], concurrency: int, num_requests: int, params, method: str,
+              k: int) -> dict:
     """Closed loop: keep `concurrency` requests in the engine until `num_requests` have finished."""
-    st = engine.stats
-    before = (st.num_decode_rows, st.num_accepted, st.num_drafted)
+    from sparkspec.spec_decode.metrics import SpecMetrics
+
     pending = [prompt_ids[i % len(prompt_ids)] for i in range(num_requests)]
-    inflight, timings = {}, []
+    inflight, timings, spec = 0, [], []
     t0 = time.perf_counter()
     while pending or inflight:
-        while pending and len(inflight) < concurrency:
-            seq = engine.add_request(pending.pop(0), params)
-            inflight[seq.request_id] = seq
+        while pending and inflight < concurrency:
+            engine.add_request(pending.pop(0), params)
+            inflight += 1
         for out in engine.step():
             if out.finished:
-                seq = inflight.pop(out.request_id)
-                timings.append(RequestTiming(seq.arrival_time, seq.first_token_time, seq.finish_time,
+                inflight -= 1
+                m = out.metrics
+                timings.append(RequestTiming(m["arrival_time"], m["first_token_time"], m["finish_time"],
                                              len(out.token_ids)))
+                spec.append(SpecMetrics.from_request(method, k, m))
     duration = time.perf_counter() - t0
-    rows, accepted, drafted = (st.num_decode_rows - before[0], st.num_accepted - before[1], st.num_drafted - before[2])
-    return {"timings": timings, "duration": duration, "decode_rows": rows, "accepted": accepted, "drafted": drafted}
+    return {"timings": timings, "duration": duration,
+            "spec": SpecMetrics.aggregate(spec, method, k) if method != "none" else None}
 
 
 def run_offline(args) -> list[dict]:
@@ -97,9 +100,9 @@ def run_offline(args) -> list[dict]:
         engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for c in concurrencies:
             n = max(c * args.requests_per_client, args.min_requests)
-            r = run_level(engine, prompt_ids, c, n, params)
-            row = summarize(setting.label, c, r["timings"], r["duration"], r["decode_rows"], r["accepted"],
-                            r["drafted"])
+            k = engine.spec.num_spec_tokens if engine.spec is not None else 0
+            r = run_level(engine, prompt_ids, c, n, params, setting.method, k)
+            row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
             row["engine_startup_s"] = round(startup, 2)
             rows.append(row)
             print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}",
@@ -118,25 +121,28 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="keep the last N prompt tokens")
-    p.add_argument("--dataset", action="append", help="JSONL prompt file(s) (default: ../shared/data/eval/*.jsonl, "
-                                                      "else the built-in prompts)")
+    p.add_argument("--dataset", action="append", help="JSONL prompt file(s) (default: the repository's "
+                                                      "data/eval/*.jsonl, else the built-in prompts)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--json", default="bench_offline.json", help="where to write the results")
+    p.add_argument("--json", default=None, help="write the results here (default: print only)")
     p.add_argument("--plot", default=None, help="PNG path for throughput vs concurrency")
     p.set_defaults(func=cmd_offline)
     return p
 
 
 def cmd_offline(args) -> int:
+    if args.plot:
+        require_plotting()
     rows = run_offline(args)
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
             "temperature": args.temperature}
-    write_json(args.json, rows, meta)
+    if args.json:
+        write_json(args.json, rows, meta)
     if args.plot:
         plot(rows, args.plot, title=f"offline, output {args.output_len} tokens")
     return 0

@@ -3,7 +3,6 @@ small built-in mix of math, code and chat prompts (so benchmarks and tests run o
 
 from __future__ import annotations
 
-import glob
 import json
 from pathlib import Path
 
@@ -37,9 +36,10 @@ BUILTIN_PROMPTS = [
 
 
 def default_prompt_files() -> list[str]:
-    """`../shared/data/eval/*.jsonl` next to the repository, if present."""
-    root = Path(__file__).resolve().parents[2]
-    return sorted(glob.glob(str(root.parent / "shared" / "data" / "eval" / "*.jsonl")))
+    """The eval sets shipped in the repository (`data/eval/*.jsonl`, or $SPARKSPEC_EVAL_DIR's)."""
+    from sparkspec.paths import eval_files
+
+    return [str(f) for f in eval_files()]
 
 
 def read_prompt_file(path: str | Path) -> list[str]:

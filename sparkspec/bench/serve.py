@@ -2,8 +2,9 @@
 
 Per concurrency level, `c` clients each send streaming `/v1/completions` requests back to back (closed loop, fixed
 output length with `ignore_eos`). TTFT and TPOT come from the client's view of the SSE stream; tau from the
-server's `/metrics` counters (accepted draft tokens / decode rows) when it exposes them. Run the server once per
-speculative setting with `--label` and `--append` to collect one line per setting, then `--plot`."""
+server's `/metrics` counters (verification steps and accepted draft tokens) when it exposes them. Run the server
+once per speculative setting with `--label`, `--json` and `--append` to collect one line per setting, then
+`--plot`."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from sparkspec.bench.common import RequestTiming, format_table, plot, summarize, write_json
+from sparkspec.bench.common import RequestTiming, format_table, plot, require_plotting, summarize, write_json
 from sparkspec.bench.prompts import load_prompts
 
-COUNTERS = ("sparkspec_decode_rows_total", "sparkspec_spec_decode_num_accepted_tokens_total",
+COUNTERS = ("sparkspec_spec_decode_num_drafts_total", "sparkspec_spec_decode_num_accepted_tokens_total",
             "sparkspec_spec_decode_num_draft_tokens_total")
 
 
@@ -77,9 +78,14 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         duration = time.perf_counter() - t0
         after = await scrape(client, base_url)
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
-    return summarize(label, concurrency, timings, duration, int(delta[COUNTERS[0]]), int(delta[COUNTERS[1]]),
-                     int(delta[COUNTERS[2]]))
+    delta = {k: int(after.get(k, 0) - before.get(k, 0)) for k in COUNTERS}
+    spec = None
+    if delta[COUNTERS[0]]:
+        from sparkspec.spec_decode.metrics import SpecMetrics
+
+        spec = SpecMetrics(label, 0, num_steps=delta[COUNTERS[0]], num_accepted_tokens=delta[COUNTERS[1]],
+                           num_draft_tokens=delta[COUNTERS[2]])
+    return summarize(label, concurrency, timings, duration, spec)
 
 
 async def first_model(base_url: str) -> str:
@@ -100,18 +106,22 @@ def add_serve_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=4)
-    p.add_argument("--dataset", action="append", help="JSONL prompt file(s) (default: ../shared/data/eval/*.jsonl, "
-                                                      "else the built-in prompts)")
+    p.add_argument("--dataset", action="append", help="JSONL prompt file(s) (default: the repository's "
+                                                      "data/eval/*.jsonl, else the built-in prompts)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--json", default="bench_serve.json")
+    p.add_argument("--json", default=None, help="write the results here (default: print only)")
     p.add_argument("--append", action="store_true", help="add to the results already in --json")
-    p.add_argument("--plot", default=None, help="PNG path; plots every row in --json")
+    p.add_argument("--plot", default=None, help="PNG path; plots every row in --json (or this run's rows)")
     p.set_defaults(func=cmd_serve_bench)
     return p
 
 
 def cmd_serve_bench(args) -> int:
+    if args.append and not args.json:
+        raise ValueError("--append: needs --json (the file to add the results to)")
+    if args.plot:
+        require_plotting()
     base = args.base_url.rstrip("/")
     model = args.model or asyncio.run(first_model(base))
     prompts = load_prompts(args.dataset or None, num=max(args.num_prompts, 1))
@@ -122,9 +132,10 @@ def cmd_serve_bench(args) -> int:
         rows.append(row)
         print(f"  {args.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}", file=sys.stderr)
     print(format_table(rows))
-    write_json(args.json, rows, {"kind": "serve", "base_url": base, "model": model, "output_len": args.output_len},
-               append=args.append)
+    if args.json:
+        write_json(args.json, rows, {"kind": "serve", "base_url": base, "model": model,
+                                     "output_len": args.output_len}, append=args.append)
     if args.plot:
-        all_rows = json.loads(Path(args.json).read_text())["results"]
+        all_rows = json.loads(Path(args.json).read_text())["results"] if args.json else rows
         plot(all_rows, args.plot, title=f"serve, output {args.output_len} tokens")
     return 0

@@ -1,5 +1,5 @@
 """`sparkspec train calibrate`: Sequential Temperature Scaling (STS) of the DSpark confidence head (DSpark
-paper §3.2.1; the procedure as restated in ../shared/reference/dspark_spec.md §3.5).
+paper §3.2.1).
 
 Terms: for a drafted block, z_k is the confidence logit of position k (1-based) and the prefix label
 y_k = 1[drafts 1..k all accepted]. The deployed prefix-survival estimate is a_k = Π_{i≤k} σ(z_i / T_i).

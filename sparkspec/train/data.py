@@ -18,27 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
+from sparkspec.paths import find_eval_file
+
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
             "bard": "assistant", "assistant": "assistant", "system": "system"}
 EVAL_DATASETS = ("gsm8k", "humaneval", "mt-bench")
 _NGRAM = 8  # word n-gram length used to detect overlap with eval prompts
-
-
-def eval_data_dirs() -> list[Path]:
-    """Where eval JSONL files are looked for, first hit wins ($SPARKSPEC_EVAL_DIR, repo data/eval, ../shared)."""
-    import os
-
-    repo = Path(__file__).resolve().parents[2]
-    dirs = [Path(p) for p in [os.environ.get("SPARKSPEC_EVAL_DIR")] if p]
-    return dirs + [repo / "data" / "eval", repo / "runs" / "eval", repo.parent / "shared" / "data" / "eval",
-                   Path("/work/shared/data/eval")]
-
-
-def find_eval_file(name: str) -> Path:
-    for d in eval_data_dirs():
-        if (d / f"{name}.jsonl").is_file():
-            return d / f"{name}.jsonl"
-    raise FileNotFoundError(f"eval dataset '{name}': no {name}.jsonl in any of {[str(d) for d in eval_data_dirs()]}")
 
 
 def read_turns(path: Path) -> list[list[str]]:

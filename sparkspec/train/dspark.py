@@ -1,5 +1,5 @@
 """`sparkspec train dspark`: distil a DSpark drafter from its target, following DeepSpec (DSpark paper §3.3,
-§4.1; deepseek-ai/DeepSpec `deepspec/modeling/dspark/loss.py` as restated in ../shared/reference/dspark_spec.md).
+§4.1; deepseek-ai/DeepSpec `deepspec/modeling/dspark/loss.py`).
 
 Terms (k = dspark_block_size, slot i = 0..k-1):
 * anchor a — a random answer position of a target-regenerated sequence x with x[a+1] also an answer token;

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from sparkspec.models.deepseek_v4 import Batch, DeepseekV4Model
+from sparkspec.models.deepseek_v4 import DeepseekV4Model
+from sparkspec.models.forward_batch import forward_sequences
 
 
 @dataclass
@@ -77,10 +78,8 @@ def compute_features(target: DeepseekV4Model, seqs: Sequences, tap_layers: tuple
             total += group[-1][1] - group[-1][0]
             s += 1
         lo, hi = group[0][0], group[-1][1]
-        spans = [(a - lo, b - lo) for a, b in group]
-        out = target(ids_all[lo:hi], Batch(spans, [0] * len(spans), [target.new_cache() for _ in spans]),
-                     logits_rows=torch.zeros(1, dtype=torch.long, device=dev), tap_layers=tap_layers,
-                     capture_final_streams=with_streams)
+        out = forward_sequences(target, ids_all[lo:hi], [b - a for a, b in group], logits_rows=[0],
+                                tap_layers=tap_layers, capture_final_streams=with_streams)
         dtype = next(target.parameters()).dtype
         if tap_layers:
             taps.append(out.taps.to(dtype))

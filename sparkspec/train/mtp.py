@@ -15,8 +15,11 @@ import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from sparkspec.models.mtp import MTPDraftModel, init_mtp_tensors
+from sparkspec.ops import ops
+from sparkspec.ops.indices import swa_index_width
 from sparkspec.train import common
 from sparkspec.train.dspark import ALPHA_CE, ALPHA_L1, LOSS_DECAY
 from sparkspec.train.features import Sequences, TargetFeatures
@@ -34,6 +37,37 @@ def init_mtp(cfg, seed: int) -> MTPDraftModel:
         if name.endswith(("attn.wo_b.weight", ".w2.weight")):
             t.mul_(1.0 / math.sqrt(2))
     return MTPDraftModel.from_tensors(cfg, tensors)
+
+
+def causal_window_indices(query_pos: torch.Tensor, pool_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """query_pos [T], pool_pos [R] -> [T, swa_index_width(window)] pool rows with pos in (q - window, q], -1 pad."""
+    ok = (pool_pos.unsqueeze(0) <= query_pos.unsqueeze(1)) & (pool_pos.unsqueeze(0) > query_pos.unsqueeze(1) - window)
+    rows = torch.where(ok, torch.arange(pool_pos.numel(), device=pool_pos.device), -1)  # [T, R]
+    width = swa_index_width(window)
+    rows = rows.sort(dim=1, descending=True).values[:, :width]  # valid rows first (at most `window` of them)
+    return F.pad(rows, (0, width - rows.shape[1]), value=-1)
+
+
+def ragged_attend(pools: list[tuple[torch.Tensor, torch.Tensor]], spans: list[tuple[int, int]], window: int,
+                  new_kv: dict):
+    """The `attend` of `MTPDraftModel.forward_rows` for training: row i of sequence r attends (sliding window,
+    causally) to the sequence's `pools[r]` rows (K=V [R, D], positions [R]) and its own rows of this step.
+    Plain autograd-friendly tensors instead of the engine's paged pools; this step's K=V go to `new_kv["kv"]`."""
+
+    def attend(a, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, _ = a.project_q(h, positions)
+        kv = new_kv["kv"] = a.project_kv(h, positions)  # [T, D]
+        all_kv, index_rows, offset = [], [], 0
+        for (pool_kv, pool_pos), (s, e) in zip(pools, spans):
+            pk = torch.cat([pool_kv.to(kv.dtype), kv[s:e]])
+            idx = causal_window_indices(positions[s:e], torch.cat([pool_pos, positions[s:e]]), window)
+            index_rows.append(torch.where(idx >= 0, idx + offset, idx))
+            all_kv.append(pk)
+            offset += pk.shape[0]
+        o = ops.sparse_attention(q, torch.cat(all_kv), torch.cat(index_rows), a.attn_sink, a.scale)
+        return a.project_out(o, positions)
+
+    return attend
 
 
 def mtp_loss(model: MTPDraftModel, target, feats: TargetFeatures, seqs: Sequences, seq_ids: list[int],
@@ -65,7 +99,10 @@ def mtp_loss(model: MTPDraftModel, target, feats: TargetFeatures, seqs: Sequence
     wsum = 0.0
     pools = empty
     for j in range(unroll):
-        out, kv = model.forward_rows(j, target.embed, prev, next_ids, positions, pools, spans)
+        new_kv: dict = {}
+        out = model.forward_rows(j, target.embed, prev, next_ids, positions,
+                                 ragged_attend(pools, spans, model.window, new_kv))
+        kv = new_kv["kv"]
         logp = torch.log_softmax(model.logits(j, out, target.norm, target.head).float(), dim=-1)
         m = mask.float()
         denom = m.sum().clamp(min=1)

@@ -2,8 +2,8 @@
 routed MoE, mHC: the model class the engine serves) on a packed token stream, and
 `sparkspec train regenerate`: let a trained target answer the drafter's training prompts.
 
-The training forward is the serving model itself: fresh per-sequence caches and one ragged `Batch` whose
-spans all start at position 0, so no second model definition can drift from the one we serve.
+The training forward is the serving model itself: the windows packed back to back from position 0 through a
+fresh paged cache (`forward_sequences`), so no second model definition can drift from the one we serve.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from sparkspec.config import ModelConfig
-from sparkspec.models.deepseek_v4 import Batch, DeepseekV4Model
+from sparkspec.models.deepseek_v4 import DeepseekV4Model
+from sparkspec.models.forward_batch import forward_sequences
 from sparkspec.train import common
 
 
@@ -42,8 +43,7 @@ def init_target(cfg: ModelConfig, seed: int) -> DeepseekV4Model:
 def forward_lm(model: DeepseekV4Model, ids: torch.Tensor, **kw):
     """ids [B, L] -> ModelOutput over B fresh sequences (logits for every row: [B·L, V])."""
     B, L = ids.shape
-    batch = Batch([(i * L, (i + 1) * L) for i in range(B)], [0] * B, [model.new_cache() for _ in range(B)])
-    return model(ids.reshape(-1), batch, **kw)
+    return forward_sequences(model, ids.reshape(-1), [L] * B, **kw)
 
 
 def lm_loss(model: DeepseekV4Model, windows: torch.Tensor) -> torch.Tensor:
@@ -136,7 +136,8 @@ def regenerate(model_dir: Path, prompts: Path, out: Path, max_tokens: int, tempe
     """Answer every prompt of `prompts` (JSONL with prompt_token_ids) with the target, cycling through
     `temperatures` (0 = greedy). Writes {"id", "prompt_token_ids", "output_token_ids", "temperature"}."""
     from sparkspec.checkpoint import load_checkpoint
-    from sparkspec.generation import Generator
+    from sparkspec.engine.config import EngineConfig
+    from sparkspec.engine.llm_engine import LLMEngine
     from sparkspec.sampling_params import SamplingParams
     from sparkspec.train.data import read_jsonl
 
@@ -144,7 +145,12 @@ def regenerate(model_dir: Path, prompts: Path, out: Path, max_tokens: int, tempe
     rows = read_jsonl(prompts)[:limit]
     index, count = shard
     rows = [r for i, r in enumerate(rows) if i % count == index]
-    gen = Generator(ck.model, max_batch_tokens=16384)
+    longest = max((len(r["prompt_token_ids"]) for r in rows), default=1)
+    max_len = min(longest + max_tokens, ck.config.max_position_embeddings)
+    # no tokenizer: answers are token ids, and the engine then skips detokenizing every step
+    engine = LLMEngine(ck.model, None, EngineConfig(max_num_seqs=max(1, min(batch_size, len(rows))),
+                                                    max_num_batched_tokens=16384, max_model_len=max(max_len, 2),
+                                                    max_waiting=1 << 20))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("")
     done = 0
@@ -155,11 +161,11 @@ def regenerate(model_dir: Path, prompts: Path, out: Path, max_tokens: int, tempe
         for j, r in enumerate(group):
             t = temperatures[(b + j + index) % len(temperatures)]
             params.append(SamplingParams(max_tokens=max_tokens, temperature=t, seed=seed + b + j + 7919 * index))
-        seqs = gen.generate([r["prompt_token_ids"] for r in group], params)
+        seqs = engine.generate([r["prompt_token_ids"] for r in group], params)
         with out.open("a") as f:  # appended per batch: a run cut short keeps what it finished
             for r, s, p in zip(group, seqs, params):
                 f.write(json.dumps({"id": r["id"], "prompt_token_ids": r["prompt_token_ids"],
-                                    "output_token_ids": s.output_ids, "temperature": p.temperature}) + "\n")
+                                    "output_token_ids": s.token_ids, "temperature": p.temperature}) + "\n")
         done += len(group)
         print(f"[shard {index}/{count}] {done}/{len(rows)} answers, {time.perf_counter() - t0:.0f}s", flush=True)
     return done
