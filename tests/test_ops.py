@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import DEVICE, make_model, random_ids, tiny_config
 
-from sparkspec.models.deepseek_v4 import Batch
+from sparkspec.models.cache import KVCache
+from sparkspec.models.forward_batch import build_batch, forward_sequences
 from sparkspec.ops import native_ops as ops
 from sparkspec.ops.moe import swiglu
 
@@ -172,7 +173,8 @@ def test_indexer_topk_matches_naive_with_visibility():
     T, ih, idd, C, k = 7, 4, 8, 9, 3
     q, w, keys = rand(T, ih, idd, seed=1), rand(T, ih, seed=2), rand(C, idd, seed=3)
     num_visible = torch.tensor([0, 1, 2, 3, 5, 9, 9], device=DEVICE)  # fewer visible than topk -> -1 padding
-    got = ops.indexer_topk(q, w, keys, num_visible, k, idd ** -0.5)
+    got = ops.indexer_topk(q, w, keys.unsqueeze(0), torch.zeros(T, dtype=torch.long, device=DEVICE), num_visible, k,
+                           idd ** -0.5)
     assert got.tolist() == naive_topk(q, w, keys, num_visible, k, idd ** -0.5).tolist()
     assert got[0].tolist() == [-1, -1, -1] and sorted(got[2].tolist()) == [-1, 0, 1]
     for t in range(T):
@@ -182,7 +184,8 @@ def test_indexer_topk_matches_naive_with_visibility():
 def test_indexer_topk_ties_go_to_the_lower_id():
     q, w = torch.ones(2, 2, 4, device=DEVICE), torch.ones(2, 2, device=DEVICE)
     keys = -torch.ones(6, 4, device=DEVICE)  # ReLU(q·k) = 0 for every entry: all scores tie at 0
-    got = ops.indexer_topk(q, w, keys, torch.tensor([6, 4], device=DEVICE), 3, 1.0)
+    got = ops.indexer_topk(q, w, keys.unsqueeze(0), torch.zeros(2, dtype=torch.long, device=DEVICE),
+                           torch.tensor([6, 4], device=DEVICE), 3, 1.0)
     assert got.tolist() == [[0, 1, 2], [0, 1, 2]]
 
 
@@ -253,34 +256,6 @@ def test_swiglu_clamps_gate_above_and_up_both_sides():
     close(swiglu(gate, up, 10.0), want)
 
 
-def test_moe_experts_matches_naive():
-    T, H, I, E, A = 5, 6, 4, 3, 2
-    x, w1, w2, w3 = rand(T, H, seed=1), rand(E, I, H, seed=2), rand(E, H, I, seed=3), rand(E, I, H, seed=4)
-    ids = torch.tensor([[0, 1], [2, 0], [1, 2], [1, 0], [2, 1]], device=DEVICE)
-    weights = rand(T, A, seed=5)
-    want = torch.zeros(T, H, device=DEVICE)
-    for t in range(T):
-        for a in range(A):
-            e = int(ids[t, a])
-            g, u = w1[e] @ x[t], w3[e] @ x[t]
-            act = torch.tensor([min(float(gv), 2.0) / (1 + math.exp(-min(float(gv), 2.0))) *
-                                max(min(float(uv), 2.0), -2.0) for gv, uv in zip(g, u)], device=DEVICE)
-            want[t] += weights[t, a] * (w2[e] @ act)
-    close(ops.moe_experts(x, w1, w2, w3, weights, ids, 2.0), want)
-
-
-def test_moe_experts_under_bf16_autocast_and_with_a_repeated_expert():
-    """Training runs under autocast (matmuls in bf16, buffers fp32); hash routing may pick one expert twice."""
-    T, H, I, E = 4, 8, 4, 3
-    x, w1, w2, w3 = rand(T, H, seed=1), rand(E, I, H, seed=2), rand(E, H, I, seed=3), rand(E, I, H, seed=4)
-    ids = torch.tensor([[0, 0], [2, 1], [1, 1], [0, 2]], device=DEVICE)
-    weights = rand(T, 2, seed=5)
-    want = ops.moe_experts(x, w1, w2, w3, weights, ids, 2.0)
-    with torch.autocast(DEVICE if isinstance(DEVICE, str) else DEVICE.type, dtype=torch.bfloat16):
-        got = ops.moe_experts(x, w1, w2, w3, weights, ids, 2.0)
-    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
-
-
 # ---------------------------------------------------------------- sampling
 
 
@@ -339,29 +314,6 @@ def test_greedy_rows_are_one_hot_beside_sampled_rows():
                                torch.zeros(2, dtype=torch.long, device=DEVICE), torch.ones(2, device=DEVICE))
     assert probs[0].tolist() == torch.nn.functional.one_hot(logits[0].argmax(), 10).float().tolist()
     close(probs[1], torch.softmax(logits[1], -1))
-
-
-def _gens(seeds):
-    return [torch.Generator(device=DEVICE).manual_seed(s) for s in seeds]
-
-
-def test_seeded_sampling_is_reproducible():
-    probs = torch.softmax(rand(6, 50, seed=1), -1)
-    a = ops.sample(probs, _gens(range(6)))
-    b = ops.sample(probs, _gens(range(6)))
-    c = ops.sample(probs, _gens(range(100, 106)))
-    assert a.tolist() == b.tolist()
-    assert a.tolist() != c.tolist()
-
-
-def test_sampling_follows_the_distribution():
-    N = 4000
-    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0], device=DEVICE)
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    draws = ops.sample(p.expand(N, -1).contiguous(), [g] * N)
-    freq = torch.bincount(draws, minlength=5).float() / N
-    assert freq[4] == 0  # zero-probability tokens are never drawn
-    assert torch.allclose(freq, p, atol=0.03)  # ~4 standard deviations at N = 4000
 
 
 # ---------------------------------------------------------------- attention kinds inside a layer
@@ -425,47 +377,10 @@ def test_attention_kind_matches_dense_reference(layer_id):
     x = rand(37, model.cfg.hidden_size, seed=layer_id)  # > window, several blocks of ratio 4 and 8
     pos = torch.arange(37, device=DEVICE)
     with torch.no_grad():
-        got = attn(x, pos, Batch([(0, 37)], [0], [model.new_cache()]))
+        cache, tables = KVCache.for_sequences(model, 1, 37)
+        got = attn(x, build_batch(cache, [0] * 37, tables, [0], [37], None, model.compress_ratios))
         want = naive_layer_attention(attn, x)
     close(got, want, tol=1e-4)
-
-
-@pytest.mark.parametrize("layer_id", [1, 2], ids=["csa-ratio4-overlap", "hca-ratio8"])
-def test_compressor_emits_entries_exactly_at_block_boundaries(layer_id):
-    model = make_model(seed=2)
-    attn = model.layers[layer_id].attn
-    T, r = 26, attn.ratio
-    x = rand(T, model.cfg.hidden_size, seed=5)
-    cache = model.new_cache()
-    lc = cache.layers[layer_id]
-    with torch.no_grad():
-        for t in range(T):  # one token at a time: entry j appears when position (j+1)·r - 1 is written
-            attn(x[t:t + 1], torch.tensor([t], device=DEVICE), Batch([(0, 1)], [t], [cache]))
-            assert lc.compressed.n == (t + 1) // r
-            if lc.idx_keys is not None:
-                assert lc.idx_keys.n == (t + 1) // r
-        want = naive_compressed_entries(attn.compressor, x, r, attn.rotary)
-        close(lc.compressed.view(), want, tol=1e-5)
-        if attn.indexer is not None:
-            ix = attn.indexer.compressor
-            close(lc.idx_keys.view(), naive_compressed_entries(ix, x, r, attn.rotary), tol=1e-5)
-
-
-def test_overlap_entry_zero_has_no_previous_block():
-    """At ratio 4 entry 0 pools only its own block; entry 1 depends on block 0 through the overlap half."""
-    model = make_model(seed=3)
-    comp, rotary = model.layers[1].attn.compressor, model.layers[1].attn.rotary
-    assert comp.overlap and comp.ratio == 4
-    x = rand(8, model.cfg.hidden_size, seed=6)
-    with torch.no_grad():
-        base = naive_compressed_entries(comp, x, 4, rotary)
-        x2 = x.clone()
-        x2[0] += 1.0  # change block 0
-        moved = naive_compressed_entries(comp, x2, 4, rotary)
-        kv, score = comp.states(x2, torch.arange(8, device=DEVICE))
-        emitted = comp.emit(kv, score, 0, 2, rotary)
-    assert not torch.allclose(base[1], moved[1])  # the overlap reads the previous block
-    close(emitted, moved)
 
 
 def test_index_rows_of_a_decode_token_stay_inside_its_sequence():
@@ -473,8 +388,8 @@ def test_index_rows_of_a_decode_token_stay_inside_its_sequence():
     model = make_model(seed=4)
     ids = random_ids(30, model.cfg.vocab_size, seed=9)
     with torch.no_grad():
-        alone = [model(ids[s:e], Batch([(0, e - s)], [0], [model.new_cache()])).logits for s, e in [(0, 12), (12, 30)]]
-        both = model(ids, Batch([(0, 12), (12, 30)], [0, 0], [model.new_cache(), model.new_cache()])).logits
+        alone = [forward_sequences(model, ids[s:e], [e - s]).logits for s, e in [(0, 12), (12, 30)]]
+        both = forward_sequences(model, ids, [12, 18]).logits
     close(both, torch.cat(alone), tol=1e-5)
 
 

@@ -6,15 +6,22 @@ import warnings
 
 import pytest
 import torch
-from spec_helpers import drafter_tensors, mixed_prompts, one_thread, plain_generate, tiny_setup  # noqa: F401
+from spec_helpers import drafter_tensors, mixed_prompts, one_thread, tiny_setup  # noqa: F401
 
 from sparkspec.models.dspark import DSparkDraftModel
 from sparkspec.models.mtp import MTPDraftModel, find_mtp_stages, init_drafter_tensors
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec_decode import SpecMetrics, SpeculativeGenerator, build_proposer
+from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.spec_decode import SpecMetrics, build_proposer
 from sparkspec.spec_decode.ngram import lookup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def generate(model, prompts, params, proposer=None) -> list[list[int]]:
+    eng = LLMEngine(model, None, EngineConfig(spec_budget="fixed"), proposer=proposer)
+    return [o.token_ids for o in eng.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("k", [0, -1, 2.5, True])
@@ -44,8 +51,7 @@ def test_k_above_block_warns_and_stays_lossless():
         proposer = build_proposer("dspark", model, tensors, cfg.dspark_block_size + 2)
     prompts = mixed_prompts(cfg.vocab_size, [3, 17, 26], seed=9)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    out = SpeculativeGenerator(model, None, proposer).generate(prompts, params)
-    assert [s.output_ids for s in out] == plain_generate(model, prompts, params)
+    assert generate(model, prompts, params, proposer) == generate(model, prompts, params)
 
 
 def test_k_within_block_does_not_warn():
@@ -110,14 +116,13 @@ def test_optional_heads():
     assert MTPDraftModel.from_tensors(cfg, no_norm).layer(0).norm is None
     prompts = mixed_prompts(cfg.vocab_size, [5, 18], seed=10)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    reference = plain_generate(model, prompts, params)
+    reference = generate(model, prompts, params)
     for method, t in (("dspark", no_conf), ("mtp", no_norm)):
-        proposer = build_proposer(method, model, t, 2)
-        seqs = SpeculativeGenerator(model, None, proposer).generate(prompts, params)
-        assert [s.output_ids for s in seqs] == reference
-    proposer = build_proposer("dspark", model, no_conf, 2)
-    seqs = SpeculativeGenerator(model, None, proposer).start(prompts, params)
-    assert all(d.confidences is None and d.num_tokens == 2 for d in proposer.propose(seqs, [2, 2]))
+        assert generate(model, prompts, params, build_proposer(method, model, t, 2)) == reference
+    eng = LLMEngine(model, None, EngineConfig(spec_budget="fixed"), proposer=build_proposer("dspark", model, no_conf, 2))
+    seqs = [eng.add_request(p, params) for p in prompts]
+    eng.step()
+    assert all(s.spec.confidences is None and len(s.spec.draft_ids) == 2 for s in seqs)
 
 
 def test_metrics_dict_and_aggregation():
@@ -130,8 +135,8 @@ def test_metrics_dict_and_aggregation():
     d = total.to_dict()
     assert list(d) == ["method", "num_spec_tokens", "num_steps", "num_draft_tokens", "num_accepted_tokens",
                        "acceptance_length", "acceptance_rate", "accepted_per_position"]
-    assert d["num_steps"] == 4 and d["num_draft_tokens"] == 8 and d["num_accepted_tokens"] == 4
-    assert d["acceptance_length"] == 2.0 and d["acceptance_rate"] == 0.5
+    assert d["num_steps"] == 3 and d["num_draft_tokens"] == 8 and d["num_accepted_tokens"] == 4  # 0 drafts: no step
+    assert d["acceptance_length"] == pytest.approx(7 / 3) and d["acceptance_rate"] == 0.5
     assert d["accepted_per_position"] == [2, 1, 1]
     assert total.acceptance_rate_per_position == [2 / 3, 1 / 3, 1 / 2]
     with pytest.raises(ValueError):
