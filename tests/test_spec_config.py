@@ -136,7 +136,7 @@ def test_metrics_dict_and_aggregation():
     assert list(d) == ["method", "num_spec_tokens", "num_steps", "num_draft_tokens", "num_accepted_tokens",
                        "acceptance_length", "acceptance_rate", "accepted_per_position"]
     assert d["num_steps"] == 3 and d["num_draft_tokens"] == 8 and d["num_accepted_tokens"] == 4  # 0 drafts: no step
-    assert d["acceptance_length"] == pytest.approx(7 / 3) and d["acceptance_rate"] == 0.5
+    assert d["acceptance_length"] == pytest.approx(7 / 3, abs=1e-4) and d["acceptance_rate"] == 0.5
     assert d["accepted_per_position"] == [2, 1, 1]
     assert total.acceptance_rate_per_position == [2 / 3, 1 / 3, 1 / 2]
     with pytest.raises(ValueError):
