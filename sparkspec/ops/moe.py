@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from sparkspec.ops.registry import native
+from sparkspec.ops.registry import accelerated, native
 
 
 def score_fn(logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -46,22 +47,162 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def stack_experts(
+    experts: Sequence[torch.nn.Module],  # E modules with .w1 [I, H] gate, .w2 [H, I] down, .w3 [I, H] up Linears
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (w13 [E, 2I, H] with rows 0..I-1 = w1 and I..2I-1 = w3, w2 [E, H, I]): copies, differentiable."""
+    w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight], dim=0) for e in experts])
+    return w13, torch.stack([e.w2.weight for e in experts])
+
+
+def stack_experts_(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack `moe.experts` once and re-point each expert's parameters to views of the stacks (no copy kept).
+
+    Parameter names, values and `state_dict()` are unchanged, and in-place loads (`p.copy_`) land in the
+    stacks. Anything that replaces `p.data` later (`.to(device / dtype)`) breaks the sharing:
+    `expert_weights` then stacks again. Call it after placement."""
+    with torch.inference_mode(False), torch.no_grad():  # normal tensors even when called from inference
+        w13, w2 = stack_experts(moe.experts)
+        inter = w2.shape[2]
+        for i, e in enumerate(moe.experts):
+            e.w1.weight.data = w13[i, :inter]
+            e.w3.weight.data = w13[i, inter:]
+            e.w2.weight.data = w2[i]
+    moe._stacked_experts = (w13, w2)  # a plain attribute: not in state_dict, not moved by .to()
+    return w13, w2
+
+
+def expert_weights(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2I, H], w2 [E, H, I]) of `moe.experts` for `moe_experts`.
+
+    Training (grad enabled and the weights require grad): a differentiable stack per call. Otherwise the
+    shared stacks of `stack_experts_`, made on first use and again whenever placement broke the sharing
+    (checked on the first and last expert: O(1) per call)."""
+    experts = moe.experts
+    if torch.is_grad_enabled() and experts[0].w1.weight.requires_grad:
+        return stack_experts(experts)
+    stacked = getattr(moe, "_stacked_experts", None)
+    if stacked is None or not _shares(stacked, experts):
+        stacked = stack_experts_(moe)
+    return stacked
+
+
+def _shares(stacked: tuple[torch.Tensor, torch.Tensor], experts: Sequence[torch.nn.Module]) -> bool:
+    w13, w2 = stacked
+    first, last = experts[0], experts[-1]
+    return (len(experts) == w13.shape[0] and first.w1.weight.data_ptr() == w13.data_ptr()
+            and first.w1.weight.dtype == w13.dtype and first.w1.weight.device == w13.device
+            and last.w2.weight.data_ptr() == w2[-1].data_ptr()
+            and last.w3.weight.data_ptr() == w13[-1, w2.shape[2]:].data_ptr())
+
+
+def sort_by_expert(
+    ids: torch.Tensor,  # [T, A] int expert ids
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (order [T*A] int64: flat (token, slot) pairs sorted by expert, stable;
+    ends [E] int32: end of each expert's run of rows in that order (cumulative counts)). No host sync."""
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype),
+                              right=True, out_int32=True)
+    return order, ends
+
+
+@functools.cache
+def _cuda_grouped_mm_arch(index: int) -> bool:
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(index)[0] in (9, 10)
+
+
+def grouped_mm_ok(dtype: torch.dtype, device: torch.device, hidden: int, inter: int) -> bool:
+    """Whether `torch._grouped_mm` runs the expert GEMMs here without a host sync: CPU (fp32/bf16/fp16), or
+    CUDA sm90/sm100 in bf16 (other archs take a fallback that copies the offsets to the host); H and I
+    must be multiples of 16 bytes (row strides)."""
+    align = 16 // dtype.itemsize
+    if not hasattr(torch, "_grouped_mm") or hidden % align or inter % align:
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and _cuda_grouped_mm_arch(device.index or 0)
+    return False
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
 @native("moe_experts")
 def moe_experts(
     x: torch.Tensor,  # [T, H]
-    w1: Sequence[torch.Tensor] | torch.Tensor,  # E x [I, H] gate (a list or a stacked [E, I, H])
-    w2: Sequence[torch.Tensor] | torch.Tensor,  # E x [H, I] down
-    w3: Sequence[torch.Tensor] | torch.Tensor,  # E x [I, H] up
-    weights: torch.Tensor,  # [T, A]
-    ids: torch.Tensor,  # [T, A]
+    w13: torch.Tensor,  # [E, 2I, H] rows 0..I-1 gate (w1), I..2I-1 up (w3)
+    w2: torch.Tensor,  # [E, H, I] down
+    weights: torch.Tensor,  # [T, A] fp32
+    ids: torch.Tensor,  # [T, A] int64
     limit: float,
 ) -> torch.Tensor:
-    """Σ_a weights[t, a] · expert_{ids[t, a]}(x[t]) -> [T, H]."""
+    """Σ_a weights[t, a] · w2[e] swiglu(w1[e] x[t], w3[e] x[t]), e = ids[t, a] -> [T, H] (x.dtype).
+
+    No host sync and a torch-op count fixed by the shapes' path: (token, slot) pairs sorted by expert and two
+    `torch._grouped_mm` (where `grouped_mm_ok`), else every expert on every token (`_moe_dense`)."""
     T, A = ids.shape
-    y = x.new_zeros(T, A, x.shape[1])  # [T, A, H] one row per (token, slot): no scatter-add collisions
-    for e in torch.unique(ids).tolist():
-        tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        xe = x[tok]
-        h = swiglu(xe @ w1[e].t(), xe @ w3[e].t(), limit) @ w2[e].t()
-        y[tok, slot] = h.to(y.dtype)  # autocast may compute h in bf16
-    return (y * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
+    E, H, I = w2.shape
+    dt = _compute_dtype(x)
+    xc, w13, w2 = x.to(dt), w13.to(dt), w2.to(dt)  # no-ops unless autocast
+    if T == 0 or not grouped_mm_ok(dt, x.device, H, I):
+        return _moe_dense(xc, w13, w2, weights, ids, limit).to(x.dtype)
+    order, ends = sort_by_expert(ids, E)
+    h = torch._grouped_mm(xc[order // A], w13.transpose(1, 2), offs=ends)  # [T*A, 2I] sorted rows
+    o = torch._grouped_mm(swiglu(h[:, :I], h[:, I:], limit), w2.transpose(1, 2), offs=ends)  # [T*A, H]
+    y = torch.empty_like(o).index_copy_(0, order, o)  # back to (token, slot) order: no add collisions
+    return (y.view(T, A, H).float() * weights.float().unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+_TRITON_MAX_PAIRS = 256  # T·A up to this: the Triton kernel beats torch._grouped_mm (H200, decode sizes)
+
+
+@accelerated("moe_experts", "cuda", "rocm", "xpu")
+def moe_experts_accelerated(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T, A] fp32
+    ids: torch.Tensor,  # [T, A] int64
+    limit: float,
+) -> torch.Tensor:
+    """The Triton grouped GEMM for decode sizes (T·A <= 256) and where `torch._grouped_mm` is not usable; the
+    native (`torch._grouped_mm`) for larger batches, for CPU tensors, when autograd needs it, or without triton."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad)
+    big = ids.numel() > _TRITON_MAX_PAIRS and grouped_mm_ok(_compute_dtype(x), x.device, *w2.shape[1:])
+    if x.device.type == "cpu" or needs_grad or big or torch.is_autocast_enabled(x.device.type):
+        return moe_experts(x, w13, w2, weights, ids, limit)
+    try:
+        from sparkspec.ops.triton_kernels.moe import moe_experts_triton
+    except ImportError:
+        return moe_experts(x, w13, w2, weights, ids, limit)
+    return moe_experts_triton(x, w13, w2, weights, ids, limit)
+
+
+_DENSE_BUDGET = 1 << 25  # elements of one [experts, T, 2I] intermediate in `_moe_dense`
+
+
+def _moe_dense(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T, A] fp32
+    ids: torch.Tensor,  # [T, A] int64
+    limit: float,
+) -> torch.Tensor:
+    """Every expert on every token, weighted by a dense [T, E] routing matrix (0 for unpicked experts):
+    E/A times the needed flops, but sync-free; experts in chunks bounded by `_DENSE_BUDGET` -> [T, H] fp32."""
+    T = x.shape[0]
+    E, H, I = w2.shape
+    dense = torch.zeros(T, E, device=x.device).scatter_add_(1, ids, weights.float())  # [T, E] repeats summed
+    chunk = max(1, min(E, _DENSE_BUDGET // max(1, T * 2 * I)))
+    y = x.new_zeros(T, H, dtype=torch.float32)
+    for e0 in range(0, E, chunk):  # a count fixed by the shapes
+        h = torch.matmul(x, w13[e0:e0 + chunk].transpose(1, 2))  # [e, T, 2I]
+        o = torch.bmm(swiglu(h[..., :I], h[..., I:], limit), w2[e0:e0 + chunk].transpose(1, 2))  # [e, T, H]
+        y = y + (o.float() * dense[:, e0:e0 + chunk].t().unsqueeze(-1)).sum(dim=0)
+    return y

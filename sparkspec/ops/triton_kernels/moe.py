@@ -1,0 +1,198 @@
+"""Grouped-GEMM MoE experts (Triton), for accelerators where `torch._grouped_mm` is not usable (ROCm, XPU, CUDA
+before sm90, fp32 weights). Called by `sparkspec.ops.moe.moe_experts_accelerated`, the registered version.
+
+Legend: T tokens, H hidden, E experts, A active experts, I expert width, P = T·A (token, slot) pairs.
+The pairs are sorted by expert (torch, on the device: no host sync), then two launches over row blocks that
+each hold rows of ONE expert (a group of n rows takes ceil(n / BLOCK_M) blocks; the grid is the static bound
+min(P, ceil(P / BLOCK_M) + E), spare programs find no block and exit):
+  1. `_moe_up_kernel`: act = swiglu(x[token] · w1[e]ᵀ, x[token] · w3[e]ᵀ) -> [P, I] fp32, rows gathered in-kernel;
+  2. `_moe_down_kernel`: out[pair] = weight[pair] · act · w2[e]ᵀ -> [P, H] fp32, stored in (token, slot) order,
+     so the final Σ over slots is a plain fixed-order sum (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter, same_device
+
+
+@triton.jit
+def _row_block(
+    ends_ptr,  # [E] int32 end row of each expert's group (sorted order)
+    block_ends_ptr,  # [E] int32 end row block of each expert
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    E_P: tl.constexpr,
+):
+    """This program's row block -> (expert, rows [BLOCK_M] in sorted order, row mask); expert == E: no block."""
+    pid = tl.program_id(0)
+    es = tl.arange(0, E_P)
+    block_ends = tl.load(block_ends_ptr + es, mask=es < num_experts, other=0x7FFFFFFF)
+    e = tl.sum((block_ends <= pid).to(tl.int32), axis=0)
+    has = e < num_experts
+    prev = tl.maximum(e - 1, 0)
+    first_block = tl.load(block_ends_ptr + prev, mask=has & (e > 0), other=0)
+    start = tl.load(ends_ptr + prev, mask=has & (e > 0), other=0)
+    end = tl.load(ends_ptr + e, mask=has, other=0)
+    rows = start + (pid - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, rows, rows < end
+
+
+@triton.jit
+def _moe_up_kernel(
+    x_ptr,  # [T, H] (row stride stride_xt)
+    order_ptr,  # [P] int64 pair of each sorted row
+    ends_ptr,  # [E] int32
+    block_ends_ptr,  # [E] int32
+    w13_ptr,  # [E, 2I, H] contiguous
+    act_ptr,  # [P, I] fp32 contiguous, sorted rows
+    num_slots,  # A
+    num_experts,
+    limit,
+    stride_xt,
+    HIDDEN: tl.constexpr,  # H, I: constexpr (fixed per model; Triton 3.6's interpreter breaks on range(arg))
+    INTER: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    E_P: tl.constexpr,
+):
+    e, rows, row_ok = _row_block(ends_ptr, block_ends_ptr, num_experts, BLOCK_M, E_P)
+    if e < num_experts:
+        tok = tl.load(order_ptr + rows, mask=row_ok, other=0) // num_slots  # [BLOCK_M] int64
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of I
+        col_ok = cols < INTER
+        w_rows = w13_ptr + e.to(tl.int64) * 2 * INTER * HIDDEN + cols[:, None].to(tl.int64) * HIDDEN  # gate rows
+        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < HIDDEN
+            xt = tl.load(x_ptr + tok[:, None] * stride_xt + ks[None, :],
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+            wmask = col_ok[:, None] & k_ok[None, :]
+            w1 = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+            w3 = tl.load(w_rows + INTER * HIDDEN + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
+            if IEEE:
+                gate = tl.dot(xt, tl.trans(w1), gate, input_precision="ieee")
+                up = tl.dot(xt, tl.trans(w3), up, input_precision="ieee")
+            else:
+                gate = tl.dot(xt, tl.trans(w1), gate)
+                up = tl.dot(xt, tl.trans(w3), up)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :], act,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr,  # [P, I] fp32 contiguous, sorted rows
+    order_ptr,  # [P] int64
+    ends_ptr,  # [E] int32
+    block_ends_ptr,  # [E] int32
+    w2_ptr,  # [E, H, I] contiguous
+    weight_ptr,  # [P] fp32 routing weight of each pair
+    out_ptr,  # [P, H] fp32, pair order
+    num_experts,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    E_P: tl.constexpr,
+):
+    e, rows, row_ok = _row_block(ends_ptr, block_ends_ptr, num_experts, BLOCK_M, E_P)
+    if e < num_experts:
+        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M] int64
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of H
+        col_ok = cols < HIDDEN
+        w_rows = w2_ptr + e.to(tl.int64) * HIDDEN * INTER + cols[:, None].to(tl.int64) * INTER
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < INTER
+            a = tl.load(act_ptr + rows[:, None].to(tl.int64) * INTER + ks[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K] fp32
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+            if IEEE:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)  # [BLOCK_M]
+        tl.store(out_ptr + pair[:, None] * HIDDEN + cols[None, :], acc * wt[:, None],
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int = 16  # rows per program (tl.dot needs >= 16)
+    block_n: int = 64  # output columns per program
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(num_pairs: int, interpreter: bool) -> MoeConfig:
+    if interpreter:
+        return MoeConfig(16, 16, 16, 4, 1)
+    return MoeConfig(block_m=16 if num_pairs <= 256 else 64)
+
+
+def moe_experts_triton(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H] rows 0..I-1 gate (w1), I..2I-1 up (w3)
+    w2: torch.Tensor,  # [E, H, I] down
+    weights: torch.Tensor,  # [T, A] fp32
+    ids: torch.Tensor,  # [T, A] int expert ids
+    limit: float,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Triton twin of `ops.moe.moe_experts` -> [T, H] (x.dtype). No host sync; the launches and torch ops
+    depend on the shapes only."""
+    from sparkspec.ops.moe import sort_by_expert
+
+    check(x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3 and ids.dim() == 2,
+          f"moe_experts: want x [T,H], w13 [E,2I,H], w2 [E,H,I], ids [T,A]; got {tuple(x.shape)}, "
+          f"{tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(ids.shape)}")
+    T, H = x.shape
+    E, _, I = w2.shape
+    check(tuple(w13.shape) == (E, 2 * I, H), f"moe_experts: w13 {tuple(w13.shape)} != {(E, 2 * I, H)} for w2 "
+          f"{tuple(w2.shape)} and hidden {H}")
+    check(weights.shape == ids.shape, f"moe_experts: weights {tuple(weights.shape)} != ids {tuple(ids.shape)}")
+    check(not ids.dtype.is_floating_point, f"moe_experts: ids must be integer, got {ids.dtype}")
+    check(same_device(x, w13, w2, weights, ids), "moe_experts: x, w13, w2, weights and ids must share a device")
+    A = ids.shape[1]
+    P = T * A
+    if P == 0:
+        return x.new_zeros(T, H)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    order, ends = sort_by_expert(ids, E)  # [P] int64, [E] int32
+    cfg = config or default_config(P, on_interpreter(x))
+    bm = cfg.block_m
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
+    block_ends = torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)  # [E]
+    act = torch.empty(P, I, device=x.device, dtype=torch.float32)  # sorted rows, kept fp32 (1 rounding)
+    out = torch.empty(P, H, device=x.device, dtype=torch.float32)  # pair order; every pair is written
+    grid_m = min(P, triton.cdiv(P, bm) + E)
+    ieee = x.dtype == torch.float32 or w13.dtype == torch.float32
+    e_p = max(next_pow2(E), 2)
+    _moe_up_kernel[(grid_m, triton.cdiv(I, cfg.block_n))](
+        x, order, ends, block_ends, w13, act, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I,
+        IEEE=ieee, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _moe_down_kernel[(grid_m, triton.cdiv(H, cfg.block_n))](
+        act, order, ends, block_ends, w2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I,
+        IEEE=ieee, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.view(T, A, H).sum(dim=1).to(x.dtype)
