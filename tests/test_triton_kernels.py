@@ -24,7 +24,6 @@ try:
     if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
     from sparkspec.ops.triton_kernels import attention as tri_attn
-    from sparkspec.ops.triton_kernels import indices as tri_idx
     from sparkspec.ops.triton_kernels import mhc as tri_mhc
 except ImportError as exc:  # triton missing here
     pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
@@ -57,92 +56,28 @@ def assert_close(actual: torch.Tensor, expected_fp32: torch.Tensor) -> None:
     assert worst <= 1.0, f"max error {worst:.2f} bf16 ulp"
 
 
-# --------------------------------------------------------------------------------------- index builders
-
-def _ragged_batch(lens, starts, gen):
-    """Sequences with `lens[r]` new queries starting at absolute position starts[r]; pools as the model lays them."""
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    lo = torch.tensor([max(0, s - WINDOW + 1) for s in starts])
-    num_raw = torch.tensor([s + n - max(0, s - WINDOW + 1) for s, n in zip(starts, lens)])
-    pool_sizes = [int(r) + (s + n) // 4 for r, s, n in zip(num_raw, starts, lens)]
-    offsets = torch.tensor([0, *torch.tensor(pool_sizes).cumsum(0).tolist()[:-1]])
-    topk = torch.randint(0, 6, (positions.numel(), 6), generator=gen)
-    topk[torch.rand(topk.shape, generator=gen) < 0.3] = -1  # ragged: short top-k lists, -1 padded
-    return [t.to(DEVICE) for t in (positions, cu, lo, num_raw, offsets, topk)]
-
-
-BATCHES = {  # name: (query lengths, start positions)
-    "prefill_from_zero": ([6], [0]),
-    "ragged_mixed": ([5, 0, 1, 7], [0, 3, 130, 20]),  # includes an empty sequence and a long-context decode
-}
-
-
-@pytest.mark.parametrize("batch", sorted(BATCHES))
-@pytest.mark.parametrize("ratio,with_topk", [(1, False), (4, True), (4, False), (128, False)])
-def test_ragged_swa_compressed_indices(batch, ratio, with_topk):
-    positions, cu, lo, num_raw, offsets, topk = _ragged_batch(*BATCHES[batch], _seeded(0))
-    topk = topk if with_topk else None
-    got = tri_idx.ragged_swa_compressed_indices(positions, cu, lo, num_raw, offsets, WINDOW, ratio, topk)
-    want = indices._ragged_swa_compressed_indices_native(positions, cu, lo, num_raw, offsets, WINDOW, ratio, topk)
-    assert got.dtype == want.dtype == torch.long
-    assert torch.equal(got, want)
-    if ratio > 1 and with_topk:
-        assert got.shape[1] == indices.compressed_index_width(WINDOW, topk.shape[1])
-
-
-def test_ragged_hca_explicit_width_pads():
-    positions, cu, lo, num_raw, offsets, _ = _ragged_batch(*BATCHES["ragged_mixed"], _seeded(1))
-    got = tri_idx.ragged_swa_compressed_indices(positions, cu, lo, num_raw, offsets, WINDOW, 4, None, 40)
-    want = indices._ragged_swa_compressed_indices_native(positions, cu, lo, num_raw, offsets, WINDOW, 4, None, 40)
-    assert got.shape == (positions.numel(), indices.compressed_index_width(WINDOW, 40))
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("ratio,with_topk", [(1, False), (4, True), (128, False)])
-def test_swa_compressed_indices_one_sequence(ratio, with_topk):
-    positions, _, _, _, _, topk = _ragged_batch([7], [20], _seeded(2))
-    topk = topk if with_topk else None
-    got = tri_idx.swa_compressed_indices(positions, 13, 14, WINDOW, ratio, topk)
-    want = indices._swa_compressed_indices_native(positions, 13, 14, WINDOW, ratio, topk)
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("num_block", [1, 5])
-def test_ragged_dspark_block_indices(num_block):
-    num_ctx = torch.tensor([0, 3, WINDOW, 200], device=DEVICE)  # empty, short, exactly window, long context
-    offsets = torch.tensor([0, 10, 50, 90], device=DEVICE)
-    got = tri_idx.ragged_dspark_block_indices(num_ctx, offsets, num_block, WINDOW)
-    want = indices._ragged_dspark_block_indices_native(num_ctx, offsets, num_block, WINDOW)
-    assert got.shape == (4 * num_block, indices.dspark_index_width(WINDOW, num_block))
-    assert torch.equal(got, want)
-    assert (got[-1] >= 0).all(), "a long-context row is full: window context rows + every block row"
-
-
-def test_index_preconditions_are_messages():
-    with pytest.raises(ValueError, match="topk must be"):
-        p = torch.arange(4, device=DEVICE)
-        one = torch.tensor([0], device=DEVICE)
-        tri_idx.ragged_swa_compressed_indices(p, torch.tensor([0, 4], device=DEVICE), one, one + 4, one, WINDOW, 4,
-                                              torch.zeros(3, 2, dtype=torch.long, device=DEVICE))
-
-
 # --------------------------------------------------------------------------------------- sparse attention
 
 def _attention_indices(case: str, gen) -> tuple[torch.Tensor, int]:
     """-> (indices [T, W] into a pool, pool rows)"""
+    paged = indices._paged_attention_indices_native
     if case == "swa_causal":  # early positions: -1 at the start of the row
-        idx = indices._swa_compressed_indices_native(torch.arange(10, device=DEVICE), 0, 10, WINDOW, 1, None)
-        return idx, 10
-    if case == "csa_topk_ragged":
-        positions, cu, lo, num_raw, offsets, topk = _ragged_batch([5, 1, 7], [0, 130, 20], gen)
-        idx = indices._ragged_swa_compressed_indices_native(positions, cu, lo, num_raw, offsets, WINDOW, 4, topk)
-        return idx, int(idx.max()) + 1
+        tables = torch.tensor([[0, 1]], device=DEVICE)
+        idx = paged(torch.arange(10, device=DEVICE), torch.zeros(10, dtype=torch.long, device=DEVICE), tables, 8,
+                    WINDOW, 1, None, 0)
+        return idx, 16
+    if case == "csa_topk_ragged":  # two requests, paged blocks interleaved, chosen compressed entries
+        tables = torch.tensor([[3, 0, 5], [1, 4, 2]], device=DEVICE)
+        pos = torch.tensor([4, 5, 17, 22, 23], device=DEVICE)
+        req = torch.tensor([0, 0, 1, 1, 1], device=DEVICE)
+        topk = torch.randint(-1, 4, (5, 3), generator=gen).to(DEVICE)
+        idx = paged(pos, req, tables, 8, WINDOW, 4, topk, 0)
+        return idx, 6 * 10
     if case == "dspark_noncausal":  # width = window + k block rows
-        num_ctx = torch.tensor([3, 30], device=DEVICE)
-        idx = indices._ragged_dspark_block_indices_native(num_ctx, torch.tensor([0, 8], device=DEVICE), 5, WINDOW)
+        ctx = torch.tensor([[-1, -1, -1, -1, -1, 0, 1, 2], list(range(8, 16))], device=DEVICE)
+        idx = indices.dspark_block_indices(ctx, 30, 5)
         assert idx.shape[1] == indices.dspark_index_width(WINDOW, 5)
-        return idx, 8 + 35
+        return idx, 30 + 10
     if case == "random_padding":  # padding anywhere, one fully padded row, a row with one entry
         idx = torch.randint(0, 50, (6, 37), generator=gen)
         idx[torch.rand(idx.shape, generator=gen) < 0.4] = -1
@@ -246,8 +181,7 @@ def test_mhc_preconditions_are_messages():
 
 # --------------------------------------------------------------------------------------- dispatch
 
-@pytest.mark.parametrize("name", ["sparse_attention", "swa_compressed_indices", "ragged_swa_compressed_indices",
-                                  "ragged_dspark_block_indices", "mhc_pre", "mhc_post", "hc_head"])
+@pytest.mark.parametrize("name", ["sparse_attention", "mhc_pre", "mhc_post", "hc_head"])
 def test_registered_for_every_accelerator(name):
     for platform in ("cuda", "rocm", "xpu"):
         assert (platform, name) in _ACCEL, f"{name} has no Triton version for {platform}"

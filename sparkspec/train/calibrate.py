@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from sparkspec.models.dspark import context_rows
 from sparkspec.train import common
 
 NUM_BINS = 20
@@ -92,7 +93,7 @@ def greedy_rollouts(drafter, target, feats, seqs, seq_ids: list[int], anchors: i
         taps = feats.taps[bb.seq_rows.to(dev)]
         ctx_kv = drafter.context_kv(drafter.main_x(taps), bb.ctx_positions.to(dev))
         out = drafter.forward_block(target.embed, target.head, bb.block_ids.to(dev), bb.start_positions.to(dev),
-                                    ctx_kv, bb.ctx_ranges.to(dev))
+                                    ctx_kv, context_rows(bb.ctx_ranges.to(dev), drafter.window))
         prev = bb.block_ids[:, 0].to(dev)
         labels = bb.labels.to(dev)
         z, hit = [], []

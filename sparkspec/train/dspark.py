@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkspec.config import ModelConfig
-from sparkspec.models.dspark import DSparkDraftModel, init_dspark_tensors
+from sparkspec.models.dspark import DSparkDraftModel, context_rows, init_dspark_tensors
 from sparkspec.train import common
 from sparkspec.train.features import Sequences, TargetFeatures
 
@@ -118,7 +118,7 @@ def block_forward(drafter: DSparkDraftModel, target, feats: TargetFeatures, bb: 
     main_x = drafter.main_x(taps)
     ctx_kv = drafter.context_kv(main_x, bb.ctx_positions.to(dev))
     out = drafter.forward_block(target.embed, target.head, bb.block_ids.to(dev), bb.start_positions.to(dev),
-                                ctx_kv, bb.ctx_ranges.to(dev), bb.prev_ids.to(dev))
+                                ctx_kv, context_rows(bb.ctx_ranges.to(dev), drafter.window), bb.prev_ids.to(dev))
     with torch.no_grad():
         hidden = feats.hidden[bb.target_rows.to(dev).reshape(-1)]
         target_logits = target.logits_from_hidden(hidden).view(*bb.target_rows.shape, -1)
