@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SEED_MIN, SEED_END = -(2**63), 2**64  # the range torch.Generator.manual_seed accepts
+SEED_MIN, SEED_END = -(2**63), 2**64  # the range torch.Generator.manual_seed accepts (int64 or uint64)
 
 
 @dataclass
@@ -28,8 +28,12 @@ class SamplingParams:
             raise ValueError(f"top_k = {self.top_k!r}: expected a 64-bit integer")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not SEED_MIN <= self.seed < SEED_END):
-            # torch's manual_seed takes exactly this range; outside it, it raises inside the engine step
+            # the range torch's manual_seed takes; outside it, packing the seed raised inside the engine step
             raise ValueError(f"seed = {self.seed!r}: expected an integer in [-2**63, 2**64)")
+        if self.seed is not None and self.seed >= 2**63:
+            # kept as int64, as the engine packs seeds into int64 tensors: the same two's complement reading
+            # torch gives a uint64 seed, so 2**64 - 1 and -1 are one seed, as they are for manual_seed
+            self.seed -= 2**64
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

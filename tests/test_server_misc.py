@@ -11,9 +11,10 @@ import pytest
 from sparkspec.sampling_params import SamplingParams
 
 
-@pytest.mark.parametrize("seed", [0, -(2**63), 2**64 - 1, None])
-def test_seed_in_range(seed):
-    assert SamplingParams(seed=seed).seed == seed
+@pytest.mark.parametrize("seed, stored", [(0, 0), (-(2**63), -(2**63)), (2**63 - 1, 2**63 - 1), (2**63, -(2**63)),
+                                          (2**64 - 1, -1), (None, None)])
+def test_seed_in_range_is_kept_as_int64(seed, stored):
+    assert SamplingParams(seed=seed).seed == stored
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 1.5, True, "3"])
