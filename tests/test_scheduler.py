@@ -130,7 +130,7 @@ def test_preempted_request_recomputes_prompt_and_outputs():
         while not out.preempted:
             out = run_step(sched)
     assert out.preempted == [young]
-    assert young.num_cached_tokens == 0 and young.block_ids == [] and young.cache is None
+    assert young.num_cached_tokens == 0 and young.block_ids == [] and young.spec.draft_ids == []
     produced = list(young.output_ids)
     assert produced, "the victim had produced tokens before preemption"
     while young.status != SequenceStatus.RUNNING:
