@@ -194,3 +194,14 @@ def test_triton_matches_native(T, routing, dtype):
     mag = ref.abs().clamp(min=0.25)  # bf16: within 1 ulp of the fp32 oracle (ulp at 1/4 below 1/4)
     ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)
     assert ((y.float() - ref).abs() / ulp).max().item() <= 1.0
+
+
+@pytest.mark.parametrize("T", [4, 100])  # T·A = 12 (Triton on accelerators) and 300 (torch._grouped_mm there)
+def test_registered_version_matches_native(T):
+    from sparkspec.ops.registry import ops
+
+    x, w13, w2, w, ids = _case(T, 64, 32, 8, 3, "hash", seed=T, dtype=torch.bfloat16)
+    y = ops.moe_experts(x, w13, w2, w, ids, LIMIT)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    ref = moe.moe_experts(x.float(), w13.float(), w2.float(), w, ids, LIMIT)
+    torch.testing.assert_close(y.float(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
