@@ -125,24 +125,6 @@ def test_optional_heads():
     assert all(s.spec.confidences is None and len(s.spec.draft_ids) == 2 for s in seqs)
 
 
-def test_metrics_dict_and_aggregation():
-    a, b = SpecMetrics("dspark", 3), SpecMetrics("dspark", 3)
-    a.record(3, 3)
-    a.record(3, 1)
-    b.record(2, 0)
-    b.record(0, 0)
-    total = SpecMetrics.aggregate([a, b])
-    d = total.to_dict()
-    assert list(d) == ["method", "num_spec_tokens", "num_steps", "num_draft_tokens", "num_accepted_tokens",
-                       "acceptance_length", "acceptance_rate", "accepted_per_position"]
-    assert d["num_steps"] == 3 and d["num_draft_tokens"] == 8 and d["num_accepted_tokens"] == 4  # 0 drafts: no step
-    assert d["acceptance_length"] == pytest.approx(7 / 3, abs=1e-4) and d["acceptance_rate"] == 0.5
-    assert d["accepted_per_position"] == [2, 1, 1]
-    assert total.acceptance_rate_per_position == [2 / 3, 1 / 3, 1 / 2]
-    with pytest.raises(ValueError):
-        a.record(4, 0)
-
-
 @pytest.mark.parametrize("ids,k,want", [
     ([1, 2, 3, 9, 1, 2, 3], 3, [9, 1, 2]),  # longest suffix [1, 2, 3] matched earlier
     ([5, 6, 7, 5, 8, 5], 2, [8, 5]),  # most recent occurrence of [5]
