@@ -1,9 +1,10 @@
-"""`sparkspec bench serve | offline`."""
+"""`sparkspec bench serve | offline | latency`."""
 
 from __future__ import annotations
 
 import argparse
 
+from sparkspec.bench.latency import add_latency_parser
 from sparkspec.bench.offline import add_offline_parser
 from sparkspec.bench.serve import add_serve_bench_parser
 
@@ -13,4 +14,5 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="bench_command", required=True)
     add_serve_bench_parser(sub)
     add_offline_parser(sub)
+    add_latency_parser(sub)
     return p
