@@ -65,8 +65,9 @@ def step_bytes(model, batch: int, context: int) -> int:
 
 
 def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str = "none", num_spec_tokens=None,
-                   drafter_tensors=None, seed: int = 0, profile: bool = False) -> float:
-    """Decode milliseconds per step of `LLMEngine` (prefill excluded)."""
+                   drafter_tensors=None, seed: int = 0, profile: bool = False) -> float | dict:
+    """Decode milliseconds per step of `LLMEngine` (prefill excluded); with `profile`, the profile of a few
+    decode steps instead."""
     from sparkspec.engine.config import EngineConfig
     from sparkspec.engine.llm_engine import LLMEngine
     from sparkspec.sampling_params import SamplingParams
@@ -85,7 +86,7 @@ def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str
     for _ in range(2):
         eng.step()
     if profile:
-        profile_steps(eng, device)
+        return profile_steps(eng, device)
     sync(device)
     t0, steps = time.perf_counter(), 0
     while eng.has_unfinished():
@@ -108,11 +109,11 @@ def profile_steps(eng, device: torch.device, num_steps: int = 8) -> dict:
         sync(device)
     wall = time.perf_counter() - t0
     events = prof.events()
-    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    kernels = [e for e in events if getattr(e.device_type, "name", "") in ("CUDA", "HIP", "XPU")]
     launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     syncs = sum(1 for e in events if "Synchronize" in e.name)
-    busy = sum(e.device_time for e in kernels) / 1e6 if kernels else 0.0
-    out = {"launches_per_step": launches / num_steps, "syncs_per_step": syncs / num_steps,
+    busy = sum(getattr(e, "device_time", 0) or getattr(e, "cuda_time", 0) for e in kernels) / 1e6
+    out = {"kernels_per_step": len(kernels) / num_steps, "launches_per_step": launches / num_steps, "syncs_per_step": syncs / num_steps,
            "gpu_busy_fraction": round(busy / wall, 3) if wall else 0.0}
     print(f"profile over {num_steps} decode steps: {out}", flush=True)
     return out
@@ -222,11 +223,17 @@ def run(args) -> list[dict]:
     bandwidth = copy_bandwidth(device) if device.type != "cpu" else copy_bandwidth(device, 1 << 26)
     rows = []
     for b in args.batch_sizes:
+        if args.profile:
+            prof = engine_step_ms(model, b, args.input_len, 16, args.spec, args.num_spec_tokens, drafter_tensors,
+                                  profile=True)
         ms = engine_step_ms(model, b, args.input_len, args.output_len, args.spec, args.num_spec_tokens,
-                            drafter_tensors, profile=args.profile and b == args.batch_sizes[0])
+                            drafter_tensors)
         floor = 1000 * step_bytes(model, b, args.input_len + args.output_len // 2) / bandwidth
         row = {"batch": b, "ms_per_step": round(ms, 3), "tok_s": round(1000 * b / ms, 1),
                "floor_ms": round(floor, 4), "x_floor": round(ms / floor, 1)}
+        if args.profile:
+            row |= {"kernels_per_step": prof["kernels_per_step"], "syncs_per_step": prof["syncs_per_step"],
+                    "gpu_busy": prof["gpu_busy_fraction"]}
         if hf is not None:
             t = transformers_step_ms(hf, b, args.input_len, args.output_len)
             row |= {"transformers_ms": round(t, 2), "speedup": round(t / ms, 2)}
@@ -257,7 +264,7 @@ def add_latency_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--compare-transformers", action="store_true")
-    p.add_argument("--profile", action="store_true", help="profile decode steps at the first batch size")
+    p.add_argument("--profile", action="store_true", help="also profile 8 decode steps per batch size")
     p.add_argument("--json", default=None, help="write the rows here")
     p.set_defaults(func=cmd_latency)
     return p
