@@ -185,3 +185,46 @@ def test_mhc_preconditions_are_messages():
 def test_registered_for_every_accelerator(name):
     for platform in ("cuda", "rocm", "xpu"):
         assert (platform, name) in _ACCEL, f"{name} has no Triton version for {platform}"
+
+
+# --------------------------------------------------------------------------------------- the whole model
+
+
+@pytest.fixture
+def accelerated_on_cpu():
+    """CPU tensors get the accelerated (cuda) registration of every op that has one (kernels interpreted)."""
+    from sparkspec.ops import ops
+    from sparkspec.ops.registry import op_names
+
+    swapped = [n for n in op_names() if ("cuda", n) in _ACCEL]
+    for n in swapped:
+        ops._impl[(n, "cpu")] = _ACCEL[("cuda", n)]
+    yield swapped
+    for n in swapped:
+        ops._impl.pop((n, "cpu"), None)
+
+
+def test_model_under_the_accelerated_op_table_equals_native(accelerated_on_cpu):
+    """A small config end to end: logits within tolerance and the same greedy tokens through the engine."""
+    from conftest import make_model, random_ids, run_full
+
+    from sparkspec.engine.llm_engine import LLMEngine
+    from sparkspec.ops import ops
+    from sparkspec.sampling_params import SamplingParams
+
+    assert {"sparse_attention", "mhc_pre", "mhc_post", "hc_head"} <= set(accelerated_on_cpu)
+    model = make_model(seed=7)
+    ids = random_ids(40, model.cfg.vocab_size, seed=8)
+    prompts = [ids[:9].tolist(), ids[:23].tolist()]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with torch.no_grad():
+        fast = run_full(model, ids).logits
+        fast_tokens = [o.token_ids for o in LLMEngine(model).generate(prompts, params)]
+    assert ops.implementation("sparse_attention", "cpu") != "native"
+    for n in accelerated_on_cpu:
+        ops._impl.pop((n, "cpu"), None)
+    with torch.no_grad():
+        slow = run_full(model, ids).logits
+        slow_tokens = [o.token_ids for o in LLMEngine(model).generate(prompts, params)]
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-4)
+    assert fast_tokens == slow_tokens
