@@ -383,6 +383,35 @@ def test_attention_kind_matches_dense_reference(layer_id):
     close(got, want, tol=1e-4)
 
 
+@pytest.mark.parametrize("layer_id", [1, 2], ids=["csa-ratio4-overlap", "hca-ratio8"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_compressor_emits_entries_exactly_at_block_boundaries(layer_id, block_size):
+    """Token by token through the paged pools: entry j lands in its pool row once position (j+1)·r - 1 is
+    written, and equals the naive pooling (compressed K=V in the `attn` pool, indexer keys in `idx_keys`)."""
+    model = make_model(seed=2)
+    attn = model.layers[layer_id].attn
+    T, r = 26, attn.ratio
+    x = rand(T, model.cfg.hidden_size, seed=5)
+    cache, tables = KVCache.for_sequences(model, 1, T, block_size)
+    pools = cache.layers[layer_id]
+    e = -(-block_size // r)
+
+    def entries(kind: str, batch) -> torch.Tensor:  # [(t+1)//r, d] entries held so far
+        j = torch.arange(batch.max_seq_len // r, device=DEVICE)
+        rows_per_block, first = (block_size + e, block_size) if kind == "attn" else (e, 0)
+        return pools[kind][batch.entry_rows(j, torch.zeros_like(j), r, rows_per_block, first)]
+
+    with torch.no_grad():
+        for t in range(T):
+            batch = build_batch(cache, [0], tables, [t], [1], None, model.compress_ratios)
+            attn(x[t:t + 1], batch)
+            assert entries("attn", batch).shape[0] == (t + 1) // r
+        close(entries("attn", batch), naive_compressed_entries(attn.compressor, x, r, attn.rotary), tol=1e-5)
+        if attn.indexer is not None:
+            want = naive_compressed_entries(attn.indexer.compressor, x, r, attn.rotary)
+            close(entries("idx_keys", batch), want, tol=1e-5)
+
+
 def test_index_rows_of_a_decode_token_stay_inside_its_sequence():
     """A ragged batch: each query reads only its own sequence's pool rows."""
     model = make_model(seed=4)
