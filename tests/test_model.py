@@ -65,7 +65,7 @@ def test_block_size_does_not_change_logits(model, ids, full_logits, block_size):
 @torch.no_grad()
 def test_logits_rows_select_rows(model, ids, full_logits):
     out = run_full(model, ids, logits_rows=[0, 7, SEQ_LEN - 1])
-    close(out.logits, full_logits[[0, 7, SEQ_LEN - 1]], tol=1e-6)
+    close(out.logits, full_logits[[0, 7, SEQ_LEN - 1]])  # GPU GEMMs of other shapes round differently
 
 
 @torch.no_grad()
