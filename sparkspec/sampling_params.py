@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 
 SEED_MIN, SEED_END = -(2**63), 2**64  # the range torch.Generator.manual_seed accepts (int64 or uint64)
+MAX_N = 16  # samples per request
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit)
+
+
+def _count(value, name: str, low: int, high: int | None = None) -> None:
+    """ValueError naming `name` unless value is an int in [low, high]."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        what = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} = {value!r}: expected an integer {what}")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed`: the seed itself for sample 0 (so n = 1 is
+    unchanged), else a 64-bit hash of (seed, index) as int64 — reproducible, and distinct between samples."""
+    if index == 0:
+        return seed
+    h = int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest(), "little")
+    return h - 2**64 if h >= 2**63 else h
 
 
 @dataclass
 class SamplingParams:
+    """`n`: independent samples of the prompt (`LLMEngine.generate` groups them in `RequestOutput.outputs`);
+    `logprobs`: N -> the log-probability of every generated token plus the N most likely alternatives
+    (0: the token's only); `prompt_logprobs`: N -> the same for prompt tokens 1.. (token 0 has none);
+    `num_spec_tokens`: most drafts verified per step for this request (None: the engine's; 0: no speculation).
+    `max_tokens` may be 0 (the prompt is only scored, e.g. for `prompt_logprobs`)."""
+
     max_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -16,10 +42,13 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    num_spec_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens = {self.max_tokens!r}: expected an integer >= 1")
+        _count(self.max_tokens, "max_tokens", 0)
         if not self.temperature >= 0:
             raise ValueError(f"temperature = {self.temperature!r}: expected >= 0")
         if not 0 < self.top_p <= 1:
@@ -36,7 +65,20 @@ class SamplingParams:
             self.seed -= 2**64
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _count(self.n, "n", 1, MAX_N)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _count(getattr(self, name), name, 0, MAX_LOGPROBS)
+        if self.num_spec_tokens is not None:
+            _count(self.num_spec_tokens, "num_spec_tokens", 0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def samples(self) -> list[SamplingParams]:
+        """One n = 1 copy per sample; with a seed, sample i gets `sample_seed(seed, i)`."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else sample_seed(self.seed, i))
+                for i in range(self.n)]

@@ -19,7 +19,23 @@ from sparkspec.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's name): `index` 0..n-1 among the request's samples."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
 class RequestOutput:
+    """A request's state after a step. Logprobs, when asked for, are per token {id: logprob}: the N most likely
+    tokens highest first, then the token itself if it is not among them (see `logprobs_for` for which
+    distribution). `outputs` holds the samples: one (this request) from `step`, all n from `generate`, whose
+    top-level fields are sample 0's."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # every output token so far
@@ -29,6 +45,9 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times, spec counters
+    logprobs: list[dict[int, float]] | None = None  # [len(token_ids)] when SamplingParams.logprobs is set
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # [len(prompt)], None first, once all are scored
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 @dataclass
@@ -112,12 +131,23 @@ class LLMEngine:
         return ids
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never run here (empty, too long, larger than the whole KV cache)."""
+        """Raise ValueError if the request can never run here (empty, too long, larger than the whole KV cache,
+        more drafts than the engine verifies)."""
         self.scheduler.check(len(prompt_ids), params.max_tokens)
+        self.check_spec(params)
+
+    def check_spec(self, params: SamplingParams) -> None:
+        limit = self.spec.num_spec_tokens if self.spec is not None else 0
+        if params.num_spec_tokens and params.num_spec_tokens > limit:
+            raise ValueError(f"num_spec_tokens = {params.num_spec_tokens}: expected at most {limit} (the engine's "
+                             + ("drafts per step)" if limit else "speculation is off)"))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"n = {params.n}: add_request takes one sample (SamplingParams.samples() splits them)")
+        self.check_spec(params)
         prompt_ids = self.encode_prompt(prompt)
         seq_id = next(self._ids)
         request_id = request_id if request_id is not None else str(seq_id)
@@ -127,6 +157,8 @@ class LLMEngine:
         seq = Sequence(seq_id, prompt_ids, params, request_id=request_id, seed=seed)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        seq.logprobs = [] if params.logprobs is not None else None
+        seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.scheduler.add(seq)  # raises ValueError / QueueFullError before anything is recorded
         self.requests[request_id] = seq
         self._max_stop_len[request_id] = max((len(s) for s in params.stop), default=0)
@@ -173,6 +205,8 @@ class LLMEngine:
         for i, it in enumerate(items):
             seq = it.seq
             seq.num_cached_tokens += it.num_tokens
+            if i in result.prompt_logprobs:
+                seq.prompt_logprobs += result.prompt_logprobs[i]
             row = result.rows.get(i)
             if row is None:
                 continue
@@ -183,7 +217,10 @@ class LLMEngine:
             before = len(seq.output_ids)
             self.append(seq, row.token_ids)
             produced[seq] = seq.output_ids[before:]
-            if self.spec is not None and not self.spec.proposer.on_device and not seq.is_finished:
+            if seq.logprobs is not None:
+                seq.logprobs += row.logprobs[: len(produced[seq])]
+            if self.spec is not None and not self.spec.proposer.on_device and not seq.is_finished \
+                    and seq.spec_cap != 0:
                 host_drafting.append(seq)
         if host_drafting:
             self.spec.propose_host(host_drafting, k_next)
@@ -204,6 +241,9 @@ class LLMEngine:
     def append(self, seq: Sequence, tokens: list[int]) -> None:
         """Append produced tokens, stopping at EOS, max_tokens, the context limit or a stop string."""
         p = seq.params
+        if p.max_tokens == 0:  # the prompt was only scored
+            seq.finish("length")
+            tokens = []
         if tokens and seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         new = []
@@ -249,12 +289,19 @@ class LLMEngine:
                    "finish_time": seq.finish_time, "num_preemptions": seq.num_preemptions,
                    "spec_steps": sp.num_steps, "spec_drafted": sp.num_drafted, "spec_accepted": sp.num_accepted,
                    "spec_accepted_per_position": list(sp.accepted_per_position)}
-        return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), list(new), self.visible_text(seq),
-                             seq.is_finished, seq.finish_reason, seq.num_cached_tokens, metrics)
+        token_ids, text = list(seq.output_ids), self.visible_text(seq)
+        logprobs = list(seq.logprobs) if seq.logprobs is not None else None
+        scored = seq.prompt_logprobs if seq.prompt_logprobs and len(seq.prompt_logprobs) == len(seq.prompt_ids) \
+            else None  # complete: never changed again (a recompute scores nothing)
+        return RequestOutput(seq.request_id, seq.prompt_ids, token_ids, list(new), text, seq.is_finished,
+                             seq.finish_reason, seq.num_cached_tokens, metrics, logprobs, scored,
+                             [CompletionOutput(0, token_ids, text, seq.finish_reason, logprobs)])
 
     # ---- offline convenience ----
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[RequestOutput]:
+        """One output per prompt, in order; with `n` > 1 its `outputs` holds the n samples (each one engine
+        request, `SamplingParams.samples()`) and its top-level fields are sample 0's."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -267,15 +314,25 @@ class LLMEngine:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             encoded.append(ids)
-        pending = list(zip(encoded, params))[::-1]
-        order, final = [], {}
+        pending = [(ids, s, g) for g, (ids, sp) in enumerate(zip(encoded, params)) for s in sp.samples()][::-1]
+        groups: list[list[str]] = [[] for _ in prompts]
+        final = {}
         while pending or self.has_unfinished():
             while pending and self.scheduler.num_waiting < self.scheduler.config.max_waiting:
-                order.append(self.add_request(*pending.pop()).request_id)
+                ids, sp, g = pending.pop()
+                groups[g].append(self.add_request(ids, sp).request_id)
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
-        return [final[i] for i in order]
+        return [self.group([final[r] for r in rids]) for rids in groups]
+
+    @staticmethod
+    def group(samples: list[RequestOutput]) -> RequestOutput:
+        """Sample 0's output with every sample in `outputs`, indexed 0..n-1."""
+        first = samples[0]
+        first.outputs = [CompletionOutput(i, o.token_ids, o.text, o.finish_reason, o.logprobs)
+                         for i, o in enumerate(samples)]
+        return first
 
     # ---- stats ----
     @property

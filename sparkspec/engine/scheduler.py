@@ -121,10 +121,11 @@ class Scheduler:
 
     # ---- one step ----
     def lookahead_for(self, seq: Sequence, budget: int) -> int:
-        """Draft slots for a decode row: k_max, but no more than the tokens the request may still produce."""
+        """Draft slots for a decode row: k_max (or the request's own cap), but no more than the tokens the request may still produce."""
         # verifying the pending token + l drafts yields up to l + 1 new tokens
         room = min(seq.params.max_tokens - len(seq.output_ids), self.config.max_model_len - seq.num_tokens) - 1
-        return max(0, min(self.config.num_lookahead_tokens, room, budget))
+        k = self.config.num_lookahead_tokens
+        return max(0, min(k, k if seq.spec_cap is None else seq.spec_cap, room, budget))
 
     def schedule(self) -> SchedulerOutput:
         c, bm = self.config, self.block_manager

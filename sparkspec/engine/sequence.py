@@ -64,6 +64,8 @@ class Sequence:
     spec: SpecState = field(default_factory=SpecState)
     seed: int = 0  # the request's seed, or one drawn at random on arrival: all its randomness derives from it
     detokenizer: Any = None  # IncrementalDetokenizer (engine-owned; None without a tokenizer)
+    logprobs: list | None = None  # [len(output_ids)] {id: logprob} per output token, when params.logprobs is set
+    prompt_logprobs: list | None = None  # [None, {..}, ...] per prompt token scored so far (params.prompt_logprobs)
 
     @property
     def all_ids(self) -> list[int]:
@@ -81,6 +83,11 @@ class Sequence:
     def is_prefill(self) -> bool:
         """More than the pending token is left to compute (a fresh prompt, or a recompute after preemption)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def spec_cap(self) -> int | None:
+        """Most drafts this request verifies per step (None: no cap of its own; 0: speculation off)."""
+        return self.params.num_spec_tokens
 
     @property
     def is_finished(self) -> bool:

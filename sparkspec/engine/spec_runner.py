@@ -48,7 +48,8 @@ class SpecRunner:
         decode = [i for i, it in enumerate(items) if it.num_lookahead > 0 and it.seq.spec.draft_ids]
         if decode:
             base_tokens = sum(it.num_tokens for it in items)
-            avail = [items[i].seq.spec.draft_ids[: items[i].num_lookahead] for i in decode]
+            avail = [items[i].seq.spec.draft_ids[: min(items[i].num_lookahead, self.cap(items[i].seq))]
+                     for i in decode]
             confs = [items[i].seq.spec.confidences for i in decode]
             num_sampling = sum(1 for it in items if it.samples)
             lengths = self.budget.lengths([len(d) for d in avail], confs, base_tokens, num_sampling)
@@ -56,6 +57,10 @@ class SpecRunner:
                 drafts[i] = d[:n]
         rows = [it.seq.spec.draft_row for it in items]
         return drafts, rows
+
+    def cap(self, seq: Sequence) -> int:
+        """Most drafts `seq` may verify: the engine's k, or less when the request asks (`num_spec_tokens`)."""
+        return self.num_spec_tokens if seq.spec_cap is None else min(seq.spec_cap, self.num_spec_tokens)
 
     def plan(self, items: list[ScheduledSeq], stats=None) -> int:
         """Drafts to propose at the end of this step (0: the drafter is not called)."""

@@ -156,6 +156,35 @@ def probs_for(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # log
     return process_logits(logits, st.temperature, st.top_k, st.top_p, st.any_top_k, st.any_top_p)
 
 
+def logprobs_for(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # logits [R, V] -> [R, V] fp32
+    """Log-probabilities of the distribution each row samples from: log_softmax(logits / temperature) renormalised
+    over the tokens top-k / top-p keep (-inf elsewhere), i.e. the log of `probs_for` computed without its
+    rounding. Greedy rows (temperature 0), whose distribution is one-hot, give the log-softmax of the raw logits
+    instead, as vLLM does: the logprobs a client asks for at temperature 0 are the model's own."""
+    logits = logits.float()
+    if st.all_greedy:
+        return torch.log_softmax(logits, -1)
+    greedy = st.greedy.unsqueeze(1)  # [R, 1]
+    x = logits / torch.where(greedy, 1.0, st.temperature.float().unsqueeze(1))
+    if st.any_top_k or st.any_top_p:
+        x = x.masked_fill((probs_for(logits, st) <= 0) & ~greedy, float("-inf"))
+    return torch.log_softmax(x, -1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor,  # [R, V]
+    token_ids: torch.Tensor,  # [R] int64 (negative ids read as 0: padding rows)
+    num_top: int,  # N alternatives per row (host int)
+) -> list[torch.Tensor]:
+    """-> [token logprob [R], top values [R, N], top ids [R, N]] (each row's N most likely tokens, highest
+    first); without N, the token logprobs only."""
+    picked = logprobs.gather(1, token_ids.clamp(min=0).unsqueeze(1)).squeeze(1)
+    if not num_top:
+        return [picked]
+    values, ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    return [picked, values, ids]
+
+
 def sample_tokens(
     logits: torch.Tensor,  # [R, V]
     st: SamplingTensors,  # R rows
