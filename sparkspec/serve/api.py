@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,12 +25,47 @@ from sparkspec.engine.scheduler import QueueFullError
 from sparkspec.serve.metrics import ServerMetrics
 from sparkspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, load_json,
                                       parse_request)
+from sparkspec.serve.responses import ChatView, ChoiceState, CompletionView
 
 RETRY_AFTER_S = 1
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 LONG_TEXT_CHARS = 1 << 16  # shorter texts encode in milliseconds: the GIL is not held long enough to matter
 log = logging.getLogger("sparkspec.serve")
+
+
+async def merge(streams: list) -> AsyncIterator[tuple[int, object]]:
+    """(index, item) from several async streams as items arrive; the first error is raised, and closing the
+    merged stream (or an error) closes every stream (for engine streams: aborts their requests)."""
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for item in stream:
+                q.put_nowait((i, item))
+        except Exception as e:
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int = 256,
@@ -136,49 +172,45 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
         """max_tokens when the request gives none: the server default, capped by the room left in the context."""
         return max(1, min(default_max_tokens, engine.engine.max_model_len - len(prompt_ids)))
 
-    def usage(n_prompt: int, n_out: int) -> dict:
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
-    async def run(request: Request, prompt_ids: list[int], params, chunk_fn, final_fn, stream: bool,
-                  include_usage: bool):
-        """Drive one request; `chunk_fn(delta, finish_reason)` builds an SSE chunk, `final_fn(out)` the body."""
+    async def run(request: Request, prompt_ids: list[int], params, view, stream: bool, include_usage: bool):
+        """Drive one request's n samples (one engine request each, merged as they produce); `view` builds the
+        endpoint's SSE chunks (`view.chunk`) and body (`view.final`)."""
         request_id = uuid.uuid4().hex[:24]
-        outputs = engine.generate(prompt_ids, params, request_id)
+        samples = params.samples()
+        outputs = merge([engine.generate(prompt_ids, p, f"{request_id}-{i}") for i, p in enumerate(samples)])
 
         if stream:
             async def sse():
-                sent = 0
-                last = None
+                states, last = [ChoiceState() for _ in samples], {}
                 try:
-                    async for out in outputs:
-                        last = out
-                        delta = out.text[sent:]
-                        sent = len(out.text)
-                        if delta or out.finished:
-                            yield f"data: {json.dumps(chunk_fn(delta, out.finish_reason if out.finished else None))}\n\n"
-                    if last is not None:
-                        metrics.observe_finished(last)
-                        if include_usage:
-                            c = chunk_fn(None, None)
-                            c["choices"] = []
-                            c["usage"] = usage(len(prompt_ids), len(last.token_ids))
-                            yield f"data: {json.dumps(c)}\n\n"
+                    async for i, out in outputs:
+                        last[i] = out
+                        chunk = view.chunk(i, out, states[i])
+                        if chunk is not None:
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                    for out in last.values():
+                        metrics.observe_finished(out)
+                    if include_usage:
+                        yield f"data: {json.dumps(view.usage_chunk(list(last.values())))}\n\n"
                 except Exception as e:  # the request failed or was cut: say so, then end the stream as usual
                     if not isinstance(e, (EngineDeadError, RequestFailedError, ValueError, QueueFullError)):
                         log.exception("stream failed")
                     yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
                 finally:
-                    await outputs.aclose()  # a disconnected client lands here: the request is aborted
+                    await outputs.aclose()  # a disconnected client lands here: every sample is aborted
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def consume():
-            last = None
-            async for out in outputs:
-                last = out
-            return last
+            last = {}
+            try:
+                async for i, out in outputs:
+                    last[i] = out
+            finally:
+                await outputs.aclose()
+            return [last[i] for i in range(len(samples))]
 
         async def watch_disconnect():
             while not await request.is_disconnected():
@@ -196,7 +228,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
                 await task
             return Response(status_code=499)
         try:
-            last = task.result()
+            outs = task.result()
         except QueueFullError as e:  # lost a race for the last queue slot
             raise RequestError(str(e), status=429, type_="rate_limit_error", code="queue_full",
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -206,14 +238,21 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
             raise RequestError(str(e), status=503, type_="server_error") from None
         except RequestFailedError as e:
             raise RequestError(str(e), status=500, type_="server_error") from None
-        metrics.observe_finished(last)
-        return JSONResponse(final_fn(last))
+        for out in outs:
+            metrics.observe_finished(out)
+        return JSONResponse(view.final(outs))
+
+    def server_k() -> int:
+        """Drafts per step the server verifies at most (0: no speculation)."""
+        return engine.engine.spec.num_spec_tokens if engine.engine.spec is not None else 0
 
     def prepare_completion(raw: bytes):
         req = parse_request(CompletionRequest, load_json(raw))
         check_model(req)
-        prompt_ids = encode(req.single_prompt(), add_bos=True, param="prompt")
-        return req, prompt_ids, req.sampling_params(default_tokens(prompt_ids))
+        prompt = req.single_prompt()
+        prompt_ids = encode(prompt, add_bos=True, param="prompt")
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+        return req, prompt_ids, req.sampling_params(default_tokens(prompt_ids), req.num_spec_tokens(server_k())), text
 
     def prepare_chat(raw: bytes):
         req = parse_request(ChatCompletionRequest, load_json(raw))
@@ -225,51 +264,26 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
         prompt_ids = encode(text, add_bos=False, param="messages")
-        return req, prompt_ids, req.sampling_params(default_tokens(prompt_ids))
+        return req, prompt_ids, req.sampling_params(default_tokens(prompt_ids), req.num_spec_tokens(server_k()))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req, prompt_ids, params = await asyncio.to_thread(prepare_completion, await read_body(request))
+        req, prompt_ids, params, text = await asyncio.to_thread(prepare_completion, await read_body(request))
         check_accepting()
         admit(prompt_ids, params)
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-
-        def chunk(delta, finish_reason):
-            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}]}
-
-        def final(out):
-            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
-                    "usage": usage(len(prompt_ids), len(out.token_ids))}
-
+        view = CompletionView(f"cmpl-{uuid.uuid4().hex[:24]}", model_name, tokenizer, prompt_ids, text, req.echo,
+                              req.logprobs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, prompt_ids, params, chunk, final, req.stream, include_usage)
+        return await run(request, prompt_ids, params, view, req.stream, include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, prompt_ids, params = await asyncio.to_thread(prepare_chat, await read_body(request))
         check_accepting()
         admit(prompt_ids, params)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        first = [True]
-
-        def chunk(delta, finish_reason):
-            d = {} if delta is None else {"content": delta}
-            if first[0] and delta is not None:
-                d["role"] = "assistant"
-                first[0] = False
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}]}
-
-        def final(out):
-            return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                                 "logprobs": None, "finish_reason": out.finish_reason}],
-                    "usage": usage(len(prompt_ids), len(out.token_ids))}
-
+        view = ChatView(f"chatcmpl-{uuid.uuid4().hex[:24]}", model_name, tokenizer, prompt_ids, params.logprobs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(request, prompt_ids, params, chunk, final, req.stream, include_usage)
+        return await run(request, prompt_ids, params, view, req.stream, include_usage)
 
     @app.get("/v1/models")
     async def models():

@@ -1,7 +1,11 @@
 """OpenAI request schemas, validated strictly: unknown fields, wrong types and out-of-range values are errors
 (HTTP 400 with an OpenAI-style body), and OpenAI fields the engine does not implement are refused unless they
-carry their neutral value (e.g. `n: 1`, `logprobs: null`, `presence_penalty: 0`). Bookkeeping fields
-(`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`) are accepted and ignored."""
+carry their neutral value (e.g. `best_of: 1`, `presence_penalty: 0`). Bookkeeping fields (`user`, `store`,
+`metadata`, `service_tier`, `parallel_tool_calls`) are accepted and ignored.
+
+Extension `speculative` (any request): `{"num_spec_tokens": K}` verifies at most K drafts per step for this
+request (0..the server's k), `{"enabled": false}` turns drafting off for it; absent, the server's setting.
+Speculation never changes what is sampled, only how fast."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sparkspec.sampling_params import SEED_END, SEED_MIN, SamplingParams
+from sparkspec.sampling_params import MAX_N, SEED_END, SEED_MIN, SamplingParams
 
 MAX_JSON_DEPTH = 32  # far above any request we accept; deeper bodies could exhaust the stack while compared
 MAX_STOP, MAX_STOP_CHARS = 4, 1000  # OpenAI's count limit; long stop strings make every decode step slower
@@ -47,6 +51,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM)
+    speculative: Any = None  # extension (sparkspec): see the module docstring; checked by `num_spec_tokens`
+    n: int = 1
     # bookkeeping fields of OpenAI's API: accepted and ignored
     user: str | None = None
     store: bool | None = None
@@ -54,14 +60,11 @@ class _Common(BaseModel):
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI fields accepted only with their neutral value
-    n: int = 1
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
 
-    NEUTRAL: ClassVar[dict] = {"n": 1, "logprobs": (None, False), "presence_penalty": 0.0, "frequency_penalty": 0.0,
-               "logit_bias": (None, {})}
+    NEUTRAL: ClassVar[dict] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": (None, {})}
 
     def check_supported(self) -> None:
         for name, neutral in self.NEUTRAL.items():
@@ -70,6 +73,8 @@ class _Common(BaseModel):
             if not ok:
                 raise RequestError(f"'{name}' = {_short(value)} is not supported by this server (only {neutral!r})",
                                    name, code="unsupported_parameter")
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError(f"'n' must be an integer in [1, {MAX_N}]", "n")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if len(stops) > MAX_STOP or any(not s for s in stops):
@@ -81,12 +86,43 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def num_spec_tokens(self, server_k: int) -> int | None:
+        """The request's draft cap from `speculative` (None: the server's), checked against the server's k (0 when
+        it runs no speculation)."""
+        spec, field = self.speculative, "speculative.num_spec_tokens"
+        if spec is None:
+            return None
+        if not isinstance(spec, dict):
+            raise RequestError("'speculative' must be an object such as {\"num_spec_tokens\": 2}", "speculative")
+        unknown = sorted(set(spec) - {"num_spec_tokens", "enabled"})
+        if unknown:
+            raise RequestError(f"unsupported field 'speculative.{_printable(str(unknown[0]))}'", "speculative",
+                               code="unsupported_parameter")
+        enabled, k = spec.get("enabled", True), spec.get("num_spec_tokens")
+        if not isinstance(enabled, bool):
+            raise RequestError("'speculative.enabled' must be a boolean", "speculative.enabled")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= server_k):
+            off = " (this server runs no speculation)" if not server_k else ""
+            raise RequestError(f"'{field}' must be an integer in [0, {server_k}]{off}", field)
+        if not enabled:
+            if k:
+                raise RequestError(f"'{field}' = {k} contradicts 'speculative.enabled': false", field)
+            return 0
+        if "enabled" in spec and k is None and not server_k:
+            raise RequestError(f"speculation was asked for, but this server runs none ('{field}' must be 0)", field)
+        return k
+
+    def extra_params(self) -> dict:
+        """SamplingParams fields particular to the endpoint (logprobs)."""
+        return {}
+
+    def sampling_params(self, default_max_tokens: int, num_spec_tokens: int | None = None) -> SamplingParams:
         stops = [] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop))
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         try:  # the checks above should leave nothing for SamplingParams to refuse; if they miss one, still a 400
-            return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                                  top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stops,
-                                  ignore_eos=self.ignore_eos)
+            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=self.top_k, seed=self.seed, stop=stops, ignore_eos=self.ignore_eos, n=self.n,
+                                  num_spec_tokens=num_spec_tokens, **self.extra_params())
         except ValueError as e:
             raise RequestError(str(e), str(e).split(" ")[0]) from None
 
@@ -94,11 +130,21 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # N alternatives per token (OpenAI's limit)
     best_of: int = 1
     suffix: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)  # None: the server default (OpenAI's is 16)
+    max_tokens: int | None = Field(default=None, ge=0)  # None: the server default (OpenAI's is 16); 0 with echo
 
-    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "echo": False, "best_of": 1, "suffix": (None, "")}
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "best_of": 1, "suffix": (None, "")}
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("'max_tokens' must be at least 1 (0 is allowed with 'echo': true)", "max_tokens")
+
+    def extra_params(self) -> dict:
+        """echo + logprobs scores the prompt too (`prompt_logprobs`)."""
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -131,13 +177,14 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list | None = None
     tool_choice: Any = None
     response_format: dict | None = None
 
-    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "top_logprobs": (None,), "tools": (None, []), "tool_choice": (None, "none"),
-               "response_format": (None, {"type": "text"})}
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "tools": (None, []), "tool_choice": (None, "none"),
+                               "response_format": (None, {"type": "text"})}
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -145,6 +192,11 @@ class ChatCompletionRequest(_Common):
             raise RequestError("give 'max_tokens' or 'max_completion_tokens', not both", "max_completion_tokens")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+
+    def extra_params(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
