@@ -1,5 +1,5 @@
 """The DSpark block drafter in its DeepSeek-V4 form (DSpark paper, deepseek-ai/DeepSpec `DSpark_paper.pdf`;
-official V4 stage layout as described in ../shared/reference/dspark_elsewhere.md §1.7).
+the stage layout of the official V4 checkpoints: stages `mtp.0..n-1`, described below).
 
 Legend: B blocks, k rows per block, T = B·k block rows, C context rows, m tapped target layers,
 n hc streams, H hidden, D latent width (K = V), V vocabulary, r Markov rank.

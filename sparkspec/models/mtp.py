@@ -1,5 +1,5 @@
-"""The classic DeepSeek-V4 multi-token-prediction (MTP) drafter (DeepSeek-V3 report §2.2; V4 form as in
-../shared/reference/vllm_dspark.md §4).
+"""The classic DeepSeek-V4 multi-token-prediction (MTP) drafter (DeepSeek-V3 report §2.2, in the V4 form: a
+full V4 block with its own hc head over e_proj / h_proj of the embedding and the target's streams).
 
 Legend: T rows, R pool rows, n hc streams, H hidden, D latent width, V vocabulary.
 
