@@ -14,7 +14,9 @@ Pools of one layer:
 
 Compressed entry j (pooling positions up to (j+1)·ratio - 1) lives in the block of position j·ratio, at entry
 row (j·ratio mod bs) // ratio; `entries_per_block` = ceil(bs / ratio), so bs must divide ratio or ratio bs.
-The last row of every pool is a scratch row (`TRASH`): writes that must not land anywhere go there.
+The last row of every pool is a trash row: writes that must not land anywhere go there. One block more than
+asked for is allocated: the scratch block (`scratch_block`, never handed out) pads block tables, so a padded
+row of a graph-captured step (or a position past a sequence's blocks) writes into it and never into a real block.
 
 Rows are indexed by absolute position and never shifted, so rolling back a rejected draft is moving a length:
 every row a later query reads is rewritten by the step that commits its position, before it is read.
@@ -60,13 +62,14 @@ class KVCache:
         p = next(model.parameters())
         device, dtype = device or p.device, dtype or p.dtype
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_block = num_blocks  # pads block tables; rows past the real blocks
         self.layers: list[dict[str, torch.Tensor]] = []
         for layer in model.layers:
             e = entries_per_block(block_size, layer.attn.ratio)
             pools = {}
             for kind, (width, model_dtype) in layer_widths(layer).items():
                 rows = {"attn": block_size + e, "idx_keys": e}.get(kind, block_size)
-                pools[kind] = torch.zeros(num_blocks * rows + 1, width, dtype=dtype if model_dtype else torch.float32,
+                pools[kind] = torch.zeros((num_blocks + 1) * rows + 1, width, dtype=dtype if model_dtype else torch.float32,
                                           device=device)
             self.layers.append(pools)
 

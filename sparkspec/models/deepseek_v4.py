@@ -191,9 +191,10 @@ class Attention(nn.Module):
         store(pools["attn"], batch.token_rows(r), self.project_kv(x, pos))
         topk, num_compressed = None, 0
         if self.compressor is not None:
-            emit = batch.emit_rows[r]  # [M] token rows closing an entry
-            last, emit_req = pos[emit], req[emit]
-            entry_ids = (last + 1) // r - 1
+            emit = batch.emit_rows[r]  # [M] token rows closing an entry (-1 pads: their entries go to the trash row)
+            last = torch.where(emit >= 0, pos[emit.clamp(min=0)], -1)
+            emit_req = req[emit.clamp(min=0)]
+            entry_ids = torch.where(emit >= 0, (last + 1) // r - 1, -1)
             self.store_states(self.compressor, pools["comp_kv"], pools["comp_score"], x, batch)
             entries = self.compressor.emit(pools["comp_kv"], pools["comp_score"], last, emit_req, batch,
                                            self.rotary)

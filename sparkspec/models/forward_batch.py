@@ -24,9 +24,9 @@ class ForwardBatch:
     req_idx: torch.Tensor  # [T] request row of each token
     cu_seqlens_q: torch.Tensor  # [R+1]
     seq_lens: torch.Tensor  # [R] positions held after this forward (start + tokens)
-    block_tables: torch.Tensor  # [R, max_blocks] block ids (padded with 0; padding is never addressed)
+    block_tables: torch.Tensor  # [R, max_blocks] block ids (padded with the cache's scratch block)
     logits_rows: torch.Tensor | None  # [L] rows whose logits are returned; None = every row
-    emit_rows: dict[int, torch.Tensor]  # ratio -> [M] rows whose position closes a compressed entry
+    emit_rows: dict[int, torch.Tensor]  # ratio -> [M] rows whose position closes a compressed entry (-1 pads)
     cache: KVCache
     max_seq_len: int  # host copy of seq_lens.max(): widths of the compressed index lists
     _memo: dict = field(default_factory=dict, repr=False)
@@ -84,7 +84,7 @@ def build_batch(
         cu.append(cu[-1] + n)
     seq_lens = [s + n for s, n in zip(starts, num_tokens)]
     width = max((len(t) for t in block_tables), default=0) or 1
-    tables = [b for t in block_tables for b in list(t) + [0] * (width - len(t))]
+    tables = [b for t in block_tables for b in list(t) + [cache.scratch_block] * (width - len(t))]
     emits = {ratio: [t for t, p in enumerate(positions) if (p + 1) % ratio == 0] for ratio in sorted(set(ratios))}
     parts = [ids, positions, req_idx, cu, seq_lens, tables, logits_rows or [], *emits.values(), extra or []]
     device = next(iter(cache.layers[0].values())).device if cache.layers else torch.device("cpu")

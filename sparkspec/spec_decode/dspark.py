@@ -37,7 +37,7 @@ class DSparkProposer(Proposer):
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         D = self.target.cfg.head_dim
-        self.pools = [torch.zeros(num_blocks * block_size + 1, D, dtype=dtype, device=device)
+        self.pools = [torch.zeros((num_blocks + 1) * block_size + 1, D, dtype=dtype, device=device)
                       for _ in range(self.drafter.num_layers)]
 
     def observe(self, step: StepRows) -> None:

@@ -38,7 +38,8 @@ class MTPProposer(Proposer):
         return self.target.cfg.head_dim * next(self.drafter.parameters()).element_size()
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.pools = [torch.zeros(num_blocks * block_size + 1, self.target.cfg.head_dim, dtype=dtype, device=device)]
+        rows = (num_blocks + 1) * block_size + 1  # + the scratch block and the trash row
+        self.pools = [torch.zeros(rows, self.target.cfg.head_dim, dtype=dtype, device=device)]
 
     def observe(self, step: StepRows) -> None:
         b, pool = step.batch, self.pools[0]
