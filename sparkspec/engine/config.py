@@ -26,6 +26,8 @@ class EngineConfig:
     num_spec_tokens: int | None = None  # None: the drafter's natural length (DSpark block size, MTP layers, 4)
     spec_budget: Literal["adaptive", "fixed"] = "adaptive"
     cost_cache_dir: str | None = None  # where the measured step-cost table is cached (default ~/.cache/sparkspec)
+    # execution
+    enforce_eager: bool = False  # True: no CUDA / HIP graphs (they are captured for decode / verify steps otherwise)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size"):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.models.cache import KVCache
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
-from sparkspec.models.forward_batch import build_batch
+from sparkspec.models.forward_batch import build_batch, to_device
 from sparkspec.ops.sampling import SamplingTensors, gather_logprobs, logprobs_for
 from sparkspec.spec_decode.proposer import StepRows
 from sparkspec.spec_decode.rejection import RejectionSampler
@@ -83,6 +83,23 @@ class ModelRunner:
         self.ratios = model.compress_ratios
         self.capture = {} if proposer is None else {"tap_layers": proposer.tap_layers,
                                                     "capture_final_streams": proposer.needs_final_streams}
+        self.graphs = None  # GraphRunner: decode / verify steps as CUDA graphs (see `cuda_graphs.py`)
+
+    def use_graphs(self, max_num_seqs: int, max_model_len: int, num_spec_tokens: int, eager: bool = False) -> None:
+        """Decode (q = 1) and verify (q = 1 + num_spec_tokens) steps run as graphs captured now; `eager` builds
+        the same static batches and runs them eagerly (tests of the padding on CPU)."""
+        from sparkspec.engine.cuda_graphs import GraphRunner
+
+        query_lens = (1, 1 + num_spec_tokens) if num_spec_tokens else (1,)
+        self.graphs = GraphRunner(self.model, self.cache, self.capture, max_num_seqs, max_model_len, query_lens,
+                                  eager=eager)
+        self.graphs.capture_all()
+
+    def graph_key(self, items: list[ScheduledSeq], drafts: list[list[int]], prompt_items: list):
+        """The captured shape a pure decode / verify step runs as, or None (eager)."""
+        if self.graphs is None or prompt_items or not all(it.num_tokens == 1 and it.samples for it in items):
+            return None
+        return self.graphs.key_for(len(items), 1 + max((len(d) for d in drafts), default=0))
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """The pools every block id of the engine's block manager addresses (target and drafter)."""
@@ -104,7 +121,7 @@ class ModelRunner:
         score prompt tokens for `prompt_logprobs` (the raw log-softmax: those tokens were not sampled) are added
         to `logits_rows`; both ride in the step's one copy."""
         # ---- host: pack the step ----
-        ids, tables, starts, nums, logits_rows, sampling, next_host = [], [], [], [], [], [], []
+        ids, tables, starts, nums, logits_rows, sampling, next_host, item_ids = [], [], [], [], [], [], [], []
         first_lrow, prompt_lrows, prompt_next, prompt_items = {}, [], [], []
         for i, (it, d) in enumerate(zip(items, drafts)):
             seq, nc = it.seq, it.seq.num_cached_tokens
@@ -122,6 +139,7 @@ class ModelRunner:
                 logits_rows += range(len(ids) + it.num_tokens - 1, len(ids) + it.num_tokens + len(d))
             ids += chunk
             ids += d
+            item_ids.append(chunk + d)
             if self.capture.get("capture_final_streams"):  # MTP reads the token after every row
                 after = (seq.prompt_ids + seq.output_ids)[nc + 1 : nc + it.num_tokens + 1]
                 next_host += after + [0] * (it.num_tokens + len(d) - len(after))
@@ -130,6 +148,12 @@ class ModelRunner:
             nums.append(it.num_tokens + len(d))
         S = len(sampling)
         K = max((len(drafts[i]) for i in sampling), default=0)
+        key = self.graph_key(items, drafts, prompt_items)
+        if key is not None:  # the static layout: request i owns rows i·q .. i·q + q - 1, logits for every row
+            R_pad, q = key
+            first_lrow = {i: i * q for i in sampling}
+            if next_host:
+                next_host = [0] * (R_pad * q)  # decode rows: the token after each row is emitted this step
         gather, draft_ids, qrow = [], [], []
         for i in sampling:
             k = len(drafts[i])
@@ -140,15 +164,21 @@ class ModelRunner:
         seeds = [items[i].seq.seed for i in sampling]
         positions = [items[i].seq.num_cached_tokens + items[i].num_tokens for i in sampling]  # where d_0 sits
         req_rows = list(sampling)
-        first = np.cumsum([0] + nums).tolist()  # first forward row of every item
-        row_of_pending = [first[i] + items[i].num_tokens - 1 for i in sampling]
+        first = np.cumsum([0] + nums).tolist() if key is None else [i * key[1] for i in range(len(items) + 1)]
+        row_of_pending = [first[i] + items[i].num_tokens - 1 for i in sampling]  # first forward row of every item
         floats = _as_int64_bits([p.temperature for p in params] + [p.top_p for p in params])
         lp_sel = [r for r, p in enumerate(params) if p.logprobs is not None]  # sampling rows that want logprobs
         extra = gather + draft_ids + qrow + [p.top_k for p in params] + seeds + positions + req_rows \
             + row_of_pending + floats + next_host + lp_sel + prompt_lrows + prompt_next
-        batch = build_batch(self.cache, ids, tables, starts, nums, logits_rows, self.ratios, extra)
-        out = self.model(batch, **self.capture)
-        ex = batch._memo["extra"]
+        if key is None:
+            batch = build_batch(self.cache, ids, tables, starts, nums, logits_rows, self.ratios, extra)
+            out = self.model(batch, **self.capture)
+            ex = batch._memo["extra"]
+        else:
+            head = self.graphs.pack(key, item_ids, tables, starts)
+            flat = to_device(head + extra, self.device)
+            batch, out = self.graphs.run(key, flat)
+            ex = flat[len(head):]
         parts, o = [], 0
         for n in (S * (K + 1), S * K, S, S, S, S, S, S, 2 * S, len(next_host), len(lp_sel), len(prompt_lrows),
                   len(prompt_next)):

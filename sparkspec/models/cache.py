@@ -74,6 +74,10 @@ class KVCache:
             self.layers.append(pools)
 
     @property
+    def device(self) -> torch.device:
+        return self.layers[0]["attn"].device if self.layers else torch.device("cpu")
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pools in self.layers for t in pools.values())
 

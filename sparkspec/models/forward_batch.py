@@ -64,6 +64,54 @@ class ForwardBatch:
         return self.memo("state", lambda: self.rows_of(self.positions, self.req_idx, self.block_size))
 
 
+def batch_parts(
+    cache: KVCache,
+    input_ids: list[int],  # [T]
+    block_tables: list[list[int]],  # per request
+    starts: list[int],  # per request: position of its first row
+    num_tokens: list[int],  # per request: rows this forward
+    logits_rows: list[int] | None,
+    ratios: tuple[int, ...],
+    width: int | None = None,  # block-table columns (default: the longest table)
+    emit_every_row: bool = False,  # emit rows as one entry per row (the row, or -1): a static length
+) -> list[list[int]]:
+    """The host integers of a batch, part by part (ids, positions, request rows, cu_seqlens_q, seq_lens, block
+    tables, logits rows, emit rows per ratio)."""
+    positions, req_idx, cu = [], [], [0]
+    for r, (s, n) in enumerate(zip(starts, num_tokens)):
+        positions += range(s, s + n)
+        req_idx += [r] * n
+        cu.append(cu[-1] + n)
+    seq_lens = [s + n for s, n in zip(starts, num_tokens)]
+    width = width or max((len(t) for t in block_tables), default=0) or 1
+    tables = [b for t in block_tables for b in list(t) + [cache.scratch_block] * (width - len(t))]
+    if emit_every_row:
+        emits = [[t if (p + 1) % ratio == 0 else -1 for t, p in enumerate(positions)] for ratio in ratios]
+    else:
+        emits = [[t for t, p in enumerate(positions) if (p + 1) % ratio == 0] for ratio in ratios]
+    return [list(input_ids), positions, req_idx, cu, seq_lens, tables, logits_rows or [], *emits]
+
+
+def batch_from_flat(flat: torch.Tensor, parts: list[list[int]], cache: KVCache, has_logits_rows: bool,
+                    ratios: tuple[int, ...], max_seq_len: int) -> tuple[ForwardBatch, torch.Tensor]:
+    """Slice a batch out of its device copy (laid out as `batch_parts`) -> (batch, what follows it in `flat`)."""
+    out, off = [], 0
+    for part in parts:
+        out.append(flat[off : off + len(part)])
+        off += len(part)
+    ids_t, pos_t, req_t, cu_t, lens_t, tab_t, rows_t, *emit_t = out
+    R = len(parts[4])
+    batch = ForwardBatch(ids_t, pos_t, req_t, cu_t, lens_t, tab_t.view(R, -1), rows_t if has_logits_rows else None,
+                         dict(zip(ratios, emit_t)), cache, max_seq_len)
+    return batch, flat[off:]
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """The one host->device copy of a step (pinned, asynchronous)."""
+    flat = torch.tensor(values, dtype=torch.long)
+    return flat.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else flat
+
+
 def build_batch(
     cache: KVCache,
     input_ids: list[int] | torch.Tensor,  # [T]
@@ -75,31 +123,13 @@ def build_batch(
     extra: list[int] | None = None,  # more host ints to ship in the same copy (returned as batch._memo["extra"])
 ) -> ForwardBatch:
     """Pack host integers into one int64 tensor, copy it to the device once, and slice the batch out of it."""
-    R = len(starts)
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
-    positions, req_idx, cu = [], [], [0]
-    for r, (s, n) in enumerate(zip(starts, num_tokens)):
-        positions += range(s, s + n)
-        req_idx += [r] * n
-        cu.append(cu[-1] + n)
-    seq_lens = [s + n for s, n in zip(starts, num_tokens)]
-    width = max((len(t) for t in block_tables), default=0) or 1
-    tables = [b for t in block_tables for b in list(t) + [cache.scratch_block] * (width - len(t))]
-    emits = {ratio: [t for t, p in enumerate(positions) if (p + 1) % ratio == 0] for ratio in sorted(set(ratios))}
-    parts = [ids, positions, req_idx, cu, seq_lens, tables, logits_rows or [], *emits.values(), extra or []]
-    device = next(iter(cache.layers[0].values())).device if cache.layers else torch.device("cpu")
-    flat = torch.tensor([x for part in parts for x in part], dtype=torch.long)
-    if device.type != "cpu":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    out, off = [], 0
-    for part in parts:
-        out.append(flat[off : off + len(part)])
-        off += len(part)
-    ids_t, pos_t, req_t, cu_t, lens_t, tab_t, rows_t, *emit_t, extra_t = out
-    batch = ForwardBatch(ids_t, pos_t, req_t, cu_t, lens_t, tab_t.view(R, width),
-                         rows_t if logits_rows is not None else None, dict(zip(emits, emit_t)), cache,
-                         max(seq_lens, default=0))
-    batch._memo["extra"] = extra_t
+    ratios = tuple(sorted(set(ratios)))
+    parts = batch_parts(cache, ids, block_tables, starts, num_tokens, logits_rows, ratios)
+    flat = to_device([x for part in parts for x in part] + (extra or []), cache.device)
+    batch, rest = batch_from_flat(flat, parts, cache, logits_rows is not None, ratios,
+                                  max((s + n for s, n in zip(starts, num_tokens)), default=0))
+    batch._memo["extra"] = rest
     return batch
 
 
