@@ -1,5 +1,9 @@
 """LLM: the offline API. `LLM(model=DIR, speculative="dspark").generate(prompts, SamplingParams(...))`.
 
+`SamplingParams(n=3)` gives one `RequestOutput` per prompt whose `outputs` lists the 3 samples (vLLM's shape; its
+top-level fields are sample 0's); `logprobs=N` / `prompt_logprobs=N` fill `RequestOutput.logprobs` (one
+{token id: logprob} per output token) and `.prompt_logprobs` (None for the first prompt token).
+
 Every tool that generates text offline (`sparkspec generate`, `sparkspec eval`, `train regenerate`, tests) goes
 through this class or `LLMEngine` directly, so there is one generation path to keep exact.
 """
