@@ -106,10 +106,25 @@ def batch_from_flat(flat: torch.Tensor, parts: list[list[int]], cache: KVCache, 
     return batch, flat[off:]
 
 
+_STAGING: dict[torch.device, list[torch.Tensor]] = {}  # per device: two pinned host buffers, used in turn
+
+
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """The one host->device copy of a step (pinned, asynchronous)."""
+    """The one host->device copy of a step, asynchronous from a pinned buffer that is kept (allocating pinned
+    memory costs milliseconds). Two buffers alternate: a step's copy is done by the time the step after the
+    next packs (every step ends with its device->host copy)."""
     flat = torch.tensor(values, dtype=torch.long)
-    return flat.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else flat
+    if device.type == "cpu":
+        return flat
+    ring = _STAGING.setdefault(device, [])
+    n = flat.numel()
+    if len(ring) < 2 or ring[0].numel() < n:
+        size = max(n, 2 * (ring[0].numel() if ring else 1 << 14))
+        ring[:] = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+    ring.reverse()
+    staging = ring[0][:n]
+    staging.copy_(flat)
+    return staging.to(device, non_blocking=True)
 
 
 def build_batch(
