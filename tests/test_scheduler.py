@@ -14,6 +14,7 @@ from sparkspec.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class Params:
     max_tokens: int = 4
+    num_spec_tokens: int | None = None  # no per-request draft cap
 
 
 def make(num_blocks=64, block_size=4, blocks_per_seq=0, **cfg):

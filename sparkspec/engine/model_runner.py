@@ -125,8 +125,7 @@ class ModelRunner:
         first_lrow, prompt_lrows, prompt_next, prompt_items = {}, [], [], []
         for i, (it, d) in enumerate(zip(items, drafts)):
             seq, nc = it.seq, it.seq.num_cached_tokens
-            chunk = seq.prompt_ids[nc : nc + it.num_tokens] if nc + it.num_tokens <= len(seq.prompt_ids) \
-                else (seq.prompt_ids + seq.output_ids)[nc : nc + it.num_tokens]
+            chunk = seq.token_ids(nc, nc + it.num_tokens)
             scored = prompt_rows(seq, nc, it.num_tokens)
             if scored:
                 prompt_items.append((i, scored.start, len(scored)))
@@ -141,7 +140,7 @@ class ModelRunner:
             ids += d
             item_ids.append(chunk + d)
             if self.capture.get("capture_final_streams"):  # MTP reads the token after every row
-                after = (seq.prompt_ids + seq.output_ids)[nc + 1 : nc + it.num_tokens + 1]
+                after = seq.token_ids(nc + 1, nc + it.num_tokens + 1)
                 next_host += after + [0] * (it.num_tokens + len(d) - len(after))
             tables.append(seq.block_ids)
             starts.append(nc)
