@@ -95,8 +95,9 @@ class Sequence:
 
     @property
     def spec_cap(self) -> int | None:
-        """Most drafts this request verifies per step (None: no cap of its own; 0: speculation off)."""
-        return self.params.num_spec_tokens
+        """Most drafts this request verifies per step (None: no cap of its own; 0: speculation off). Params objects
+        without the field (the scheduler's pure-Python tests) have no cap."""
+        return getattr(self.params, "num_spec_tokens", None)
 
     @property
     def is_finished(self) -> bool:
