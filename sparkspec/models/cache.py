@@ -73,6 +73,10 @@ class KVCache:
                                           device=device)
             self.layers.append(pools)
 
+    def trash_row(self, rows_per_block: int) -> int:
+        """The last row of a pool with `rows_per_block` rows per block: writes that must land nowhere."""
+        return (self.num_blocks + 1) * rows_per_block
+
     @property
     def device(self) -> torch.device:
         return self.layers[0]["attn"].device if self.layers else torch.device("cpu")

@@ -18,7 +18,7 @@ from torch import nn
 
 from sparkspec.config import CSA, ModelConfig, yarn_inv_freq
 from sparkspec.models.cache import entries_per_block
-from sparkspec.models.forward_batch import ForwardBatch
+from sparkspec.models.forward_batch import Emission, ForwardBatch
 from sparkspec.ops import ops
 from sparkspec.ops.moe import expert_weights, swiglu
 
@@ -33,8 +33,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (self.weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        """In fp32 whatever the input dtype (one fused op where the build has it, not five)."""
+        return F.rms_norm(x.float(), (x.shape[-1],), fp32_weight(self), self.eps).to(x.dtype)
 
 
 def fp32_weight(linear: nn.Module) -> torch.Tensor:
@@ -50,33 +50,47 @@ def fp32_weight(linear: nn.Module) -> torch.Tensor:
 
 
 def rms_noweight(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
     """GPT-J (interleaved pairs) RoPE on the last `dim` features."""
 
-    def __init__(self, dim: int, inv_freq: torch.Tensor):
+    def __init__(self, dim: int, inv_freq: torch.Tensor, key=None):
+        """`key`: what determines `inv_freq` (modules with equal keys share rotations within a forward)."""
         super().__init__()
         self.dim = dim
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.inv_freq_fp32 = inv_freq.float().clone()  # master copy: `.to(bf16)` would round the buffer
+        self.freq_key = (dim, key if key is not None else id(self))
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """e^{i·pos·freq} -> [T, R/2] complex64."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, R/2]
-        return freqs.cos(), freqs.sin()
+        return torch.polar(torch.ones_like(freqs), freqs)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x: [T, ..., F] with the rotary dims last; positions [T]."""
-        cos, sin = self.cos_sin(positions)
-        if inverse:
-            sin = -sin
-        shape = [cos.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[1]]
-        cos, sin = cos.view(shape), sin.view(shape)
-        nope, rope = x[..., : -self.dim], x[..., -self.dim :].float()
-        even, odd = rope[..., 0::2], rope[..., 1::2]
-        rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    def rotations(self, batch: ForwardBatch, key, positions_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotation, its inverse) at positions_fn(), computed once per forward for every layer that shares this
+        module's frequencies (`batch.memo`)."""
+
+        def make():
+            rot = self.rotation(positions_fn())
+            return rot, rot.conj().resolve_conj()
+
+        return batch.memo(("rotation", self.freq_key, key), make)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
+              rot: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, ..., F] with the rotary dims last; positions [T] (or `rot`, their rotation from `rotations`,
+        already inverted when `inverse`). Each interleaved pair (even, odd) is the complex number even + i·odd,
+        rotated by one complex multiply (the inverse by the conjugate)."""
+        if rot is None:
+            rot = self.rotation(positions)
+            rot = rot.conj() if inverse else rot
+        rot = rot.view([rot.shape[0]] + [1] * (x.dim() - 2) + [rot.shape[1]])
+        nope, rope = x[..., : -self.dim], x[..., -self.dim :]
+        pairs = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2)).contiguous())  # [T, ..., R/2]
+        rotated = torch.view_as_real(pairs * rot).flatten(-2)
         return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
@@ -104,24 +118,20 @@ class Compressor(nn.Module):
         self,
         kv_pool: torch.Tensor,  # [N·bs + 1, c·d] fp32 per-position state rows (this step's already stored)
         score_pool: torch.Tensor,  # [N·bs + 1, c·d] fp32
-        last: torch.Tensor,  # [M] position closing each entry: (j + 1)·ratio - 1
-        req: torch.Tensor,  # [M] request row of each entry
-        batch: ForwardBatch,
+        plan: Emission,  # which entries this step closes and which state rows each pools
         rotary: Rotary,
+        rot: torch.Tensor | None = None,  # [M, R/2] rotation at the entries' positions (computed if None)
     ) -> torch.Tensor:
-        """Entries j = (last + 1) / ratio - 1 -> [M, d] fp32, pooling positions j·r .. j·r + r - 1 (and, for
-        overlapping windows, the first half of positions (j-1)·r .. j·r - 1)."""
+        """Entries j -> [M, d] fp32, pooling positions j·r .. j·r + r - 1 (and, for overlapping windows, the first
+        half of positions (j-1)·r .. j·r - 1)."""
         r, d = self.ratio, self.head_dim
-        span = 2 * r if self.overlap else r
-        pos = last.unsqueeze(1) - span + 1 + torch.arange(span, device=last.device)  # [M, span], oldest first
-        rows = batch.rows_of(pos, req.unsqueeze(1).expand_as(pos), batch.block_size)
-        kv, score = kv_pool[rows.clamp(min=0)], score_pool[rows.clamp(min=0)]  # [M, span, c·d]
+        kv, score = kv_pool[plan.gather], score_pool[plan.gather]  # [M, span, c·d]
         if self.overlap:  # previous window contributes its first half, the current one its second half
             kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
-            score = torch.cat([score[:, :r, :d].masked_fill((pos[:, :r] < 0).unsqueeze(-1), float("-inf")),
+            score = torch.cat([score[:, :r, :d].masked_fill(plan.missing[:, :r].unsqueeze(-1), float("-inf")),
                                score[:, r:, d:]], dim=1)
         pooled = self.norm(ops.compress_pool(kv, score))
-        return rotary.apply(pooled, last + 1 - r)
+        return rotary.apply(pooled, plan.last + 1 - r, rot=rot)
 
 
 class Indexer(nn.Module):
@@ -155,27 +165,29 @@ class Attention(nn.Module):
         compressed = self.ratio > 1
         theta = cfg.compress_rope_theta if compressed else cfg.rope_theta
         inv = yarn_inv_freq(cfg.qk_rope_head_dim, theta, cfg.yarn if compressed else None)
-        self.rotary = Rotary(cfg.qk_rope_head_dim, inv)
+        self.rotary = Rotary(cfg.qk_rope_head_dim, inv, key=(theta, compressed))
         self.compressor = Compressor(cfg, self.ratio, self.head_dim) if compressed else None
         is_csa = layer_id < cfg.num_hidden_layers and cfg.layer_types[layer_id] == CSA
         self.indexer = Indexer(cfg, self.ratio) if is_csa else None
 
     # -- pieces reused by the drafters --
-    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_q(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (q [T, h, D] normalised + RoPE, q_lora [T, q_lora_rank])."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
         q = rms_noweight(q, self.cfg.rms_norm_eps)
-        return self.rotary.apply(q, positions), qr
+        return self.rotary.apply(q, positions, rot=rot), qr
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None) -> torch.Tensor:
         """-> kv [T, D]: the shared K = V latent, normalised, RoPE at `positions`."""
-        return self.rotary.apply(self.kv_norm(self.wkv(x)), positions)
+        return self.rotary.apply(self.kv_norm(self.wkv(x)), positions, rot=rot)
 
-    def project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def project_out(self, o: torch.Tensor, positions: torch.Tensor, rot_inv: torch.Tensor | None = None
+                    ) -> torch.Tensor:
         """o [T, h, D] -> inverse RoPE -> grouped wo_a -> wo_b -> [T, H]."""
         T, g = o.shape[0], self.cfg.o_groups
-        o = self.rotary.apply(o, positions, inverse=True).reshape(T, g, -1)  # [T, g, h·D/g]
+        o = self.rotary.apply(o, positions, inverse=True, rot=rot_inv).reshape(T, g, -1)  # [T, g, h·D/g]
         w = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)  # [g, o_lora, h·D/g]
         z = torch.einsum("tgi,goi->tgo", o, w).reshape(T, -1)
         return self.wo_b(z)
@@ -183,40 +195,49 @@ class Attention(nn.Module):
     # -- target forward over a flat batch --
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, H] -> [T, H]. Stores this step's rows of every cache kind, emits the compressed entries the
-        step's positions close, then attends over the pools through one index list per query."""
+        step's positions close, then attends over the pools through one index list per query. Addressing that
+        only depends on the ratio is computed once per forward and shared by the layers (`batch.memo`)."""
         pos, req, r = batch.positions, batch.req_idx, self.ratio
         pools = batch.cache.layers[self.layer_id]
-        rows_per_block = batch.block_size + entries_per_block(batch.block_size, r)
-        q, qr = self.project_q(x, pos)
-        store(pools["attn"], batch.token_rows(r), self.project_kv(x, pos))
+        rot, rot_inv = self.rotary.rotations(batch, "tokens", lambda: pos)
+        q, qr = self.project_q(x, pos, rot)
+        store(pools["attn"], batch.token_rows(r), self.project_kv(x, pos, rot))
         topk, num_compressed = None, 0
         if self.compressor is not None:
-            emit = batch.emit_rows[r]  # [M] token rows closing an entry (-1 pads: their entries go to the trash row)
-            last = torch.where(emit >= 0, pos[emit.clamp(min=0)], -1)
-            emit_req = req[emit.clamp(min=0)]
-            entry_ids = torch.where(emit >= 0, (last + 1) // r - 1, -1)
+            plan = batch.emission(r, 2 * r if self.compressor.overlap else r)
             self.store_states(self.compressor, pools["comp_kv"], pools["comp_score"], x, batch)
-            entries = self.compressor.emit(pools["comp_kv"], pools["comp_score"], last, emit_req, batch,
-                                           self.rotary)
-            store(pools["attn"], batch.entry_rows(entry_ids, emit_req, r, rows_per_block, batch.block_size), entries)
+            entry_rot = self.rotary.rotations(batch, ("entries", r), lambda: plan.last + 1 - r)[0]
+            store(pools["attn"], plan.attn_rows, self.compressor.emit(pools["comp_kv"], pools["comp_score"], plan,
+                                                                      self.rotary, entry_rot))
             num_compressed = batch.max_seq_len // r
         if self.indexer is not None:
             ix = self.indexer
             self.store_states(ix.compressor, pools["idx_kv"], pools["idx_score"], x, batch)
-            keys = ix.compressor.emit(pools["idx_kv"], pools["idx_score"], last, emit_req, batch, self.rotary)
-            e = entries_per_block(batch.block_size, r)
-            store(pools["idx_keys"], batch.entry_rows(entry_ids, emit_req, r, e, 0), keys)
-            iq = self.rotary.apply(ix.wq_b(qr).view(x.shape[0], ix.n_heads, ix.head_dim), pos)
+            store(pools["idx_keys"], plan.key_rows, ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan,
+                                                                       self.rotary, entry_rot))
+            iq = self.rotary.apply(ix.wq_b(qr).view(x.shape[0], ix.n_heads, ix.head_dim), pos, rot=rot)
             iw = ix.weights_proj(x).float() * ix.n_heads ** -0.5
-            j = torch.arange(num_compressed, device=x.device)  # [C] entries any request of the batch may have
-            key_rows = batch.entry_rows(j.expand(batch.num_reqs, -1),
-                                        torch.arange(batch.num_reqs, device=x.device).unsqueeze(1), r, e, 0)
-            topk = ops.indexer_topk(iq, iw, pools["idx_keys"][key_rows], req, (pos + 1) // r, ix.topk,
+            keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed))]
+            topk = ops.indexer_topk(iq, iw, keys, req, batch.memo(("visible", r), lambda: (pos + 1) // r), ix.topk,
                                     ix.head_dim ** -0.5)
-        indices = ops.paged_attention_indices(pos, req, batch.block_tables, batch.block_size, self.window, r, topk,
-                                              num_compressed)
+            indices = self.indices(batch, topk, num_compressed)
+        else:  # sliding and heavily compressed layers: the same lists for every layer of the ratio
+            indices = batch.memo(("indices", r), lambda: self.indices(batch, None, num_compressed))
         o = ops.sparse_attention(q, pools["attn"], indices, self.attn_sink, self.scale)
-        return self.project_out(o, pos)
+        return self.project_out(o, pos, rot_inv)
+
+    def indices(self, batch: ForwardBatch, topk: torch.Tensor | None, num_compressed: int) -> torch.Tensor:
+        return ops.paged_attention_indices(batch.positions, batch.req_idx, batch.block_tables, batch.block_size,
+                                           self.window, self.ratio, topk, num_compressed)
+
+    def key_rows(self, batch: ForwardBatch, num_compressed: int) -> torch.Tensor:
+        """[R, C] `idx_keys` rows of every entry any request of the batch may have (pads: rows of a real block or
+        of the scratch block, never chosen: the indexer masks j >= what the query sees)."""
+        j = torch.arange(num_compressed, device=batch.positions.device)
+        reqs = torch.arange(batch.num_reqs, device=j.device).unsqueeze(1)
+        rows = batch.entry_rows(j.expand(batch.num_reqs, -1), reqs, self.ratio,
+                                entries_per_block(batch.block_size, self.ratio), 0)
+        return rows.clamp(min=0)
 
     @staticmethod
     def store_states(compressor: Compressor, kv_pool: torch.Tensor, score_pool: torch.Tensor, x: torch.Tensor,
@@ -228,8 +249,9 @@ class Attention(nn.Module):
 
 
 def store(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """The one cache write: pool[rows] = values (rows from the block tables; a -1 lands in the scratch row)."""
-    pool.index_copy_(0, torch.where(rows >= 0, rows, pool.shape[0] - 1), values.to(pool.dtype))
+    """The one cache write: pool[rows] = values. Rows come from the block tables (padded rows of a static batch
+    address the scratch block, entries that close nothing the pool's trash row), so every row is valid."""
+    pool.index_copy_(0, rows, values.to(pool.dtype))
 
 
 class Expert(nn.Module):

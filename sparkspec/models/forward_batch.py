@@ -54,6 +54,10 @@ class ForwardBatch:
             self._memo[key] = fn()
         return self._memo[key]
 
+    def emission(self, ratio: int, span: int) -> Emission:
+        """The compressed entries this step's rows close, for every layer of this ratio (memoised)."""
+        return self.memo(("emission", ratio, span), lambda: Emission.plan(self, ratio, span))
+
     def token_rows(self, ratio: int) -> torch.Tensor:
         """[T] rows of this step's tokens in a layer's `attn` pool (raw K=V)."""
         e = entries_per_block(self.block_size, ratio)
@@ -62,6 +66,35 @@ class ForwardBatch:
     def state_rows(self) -> torch.Tensor:
         """[T] rows of this step's tokens in per-position pools (compressor / indexer state)."""
         return self.memo("state", lambda: self.rows_of(self.positions, self.req_idx, self.block_size))
+
+
+@dataclass
+class Emission:
+    """Where the entries of one ratio come from and go to (shared by the compressor and the indexer's
+    compressor of every layer with that ratio). Legend: M entry slots (emit rows, -1 padded), span pooled rows."""
+
+    last: torch.Tensor  # [M] position closing each entry, (j+1)·ratio - 1 (-1 for pads)
+    entry_ids: torch.Tensor  # [M] j (-1 for pads)
+    gather: torch.Tensor  # [M, span] per-position pool rows pooled by each entry, oldest first (0 where none)
+    missing: torch.Tensor  # [M, span] bool: that position is < 0
+    attn_rows: torch.Tensor  # [M] rows of the `attn` pool the entries go to (the trash row for pads)
+    key_rows: torch.Tensor  # [M] rows of the `idx_keys` pool (the trash row for pads)
+
+    @classmethod
+    def plan(cls, b: ForwardBatch, ratio: int, span: int) -> Emission:
+        emit = b.emit_rows[ratio]
+        valid = emit >= 0
+        last = torch.where(valid, b.positions[emit.clamp(min=0)], -1)
+        req = b.req_idx[emit.clamp(min=0)]
+        entry_ids = torch.where(valid, (last + 1) // ratio - 1, -1)
+        pos = last.unsqueeze(1) - span + 1 + torch.arange(span, device=last.device)  # [M, span]
+        rows = b.rows_of(pos, req.unsqueeze(1).expand_as(pos), b.block_size)
+        e = entries_per_block(b.block_size, ratio)
+        attn = b.entry_rows(entry_ids, req, ratio, b.block_size + e, b.block_size)
+        keys = b.entry_rows(entry_ids, req, ratio, e, 0)
+        trash_attn, trash_keys = b.cache.trash_row(b.block_size + e), b.cache.trash_row(e)
+        return cls(last, entry_ids, rows.clamp(min=0), pos < 0, torch.where(attn >= 0, attn, trash_attn),
+                   torch.where(keys >= 0, keys, trash_keys))
 
 
 def batch_parts(
