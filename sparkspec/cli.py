@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-budget", choices=["fixed", "adaptive"], default="fixed",
                    help="fixed: always draft k tokens; adaptive: the engine's measured verification budget")
     g.add_argument("--device", default=None)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
 
@@ -156,7 +157,8 @@ def cmd_generate(args) -> int:
     max_len = min(max(len(ids) for _, ids in prompts) + args.max_tokens, max_pos)
     try:
         llm = LLM(ckpt, speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
-                  spec_budget=args.spec_budget, max_num_seqs=min(len(prompts), 64), max_model_len=max(max_len, 2))
+                  spec_budget=args.spec_budget, max_num_seqs=min(len(prompts), 64), max_model_len=max(max_len, 2),
+                  enforce_eager=args.enforce_eager)
         t0 = time.perf_counter()
         outs = llm.generate([ids for _, ids in prompts], params)
     except ValueError as e:

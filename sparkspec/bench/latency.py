@@ -65,7 +65,8 @@ def step_bytes(model, batch: int, context: int) -> int:
 
 
 def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str = "none", num_spec_tokens=None,
-                   drafter_tensors=None, seed: int = 0, profile: bool = False) -> float | dict:
+                   drafter_tensors=None, seed: int = 0, profile: bool = False, enforce_eager: bool = False
+                   ) -> float | dict:
     """Decode milliseconds per step of `LLMEngine` (prefill excluded); with `profile`, the profile of a few
     decode steps instead."""
     from sparkspec.engine.config import EngineConfig
@@ -75,7 +76,7 @@ def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str
     device = next(model.parameters()).device
     cfg = EngineConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=max(batch * input_len, 64),
                        max_model_len=input_len + output_len + 16, speculative=spec, num_spec_tokens=num_spec_tokens,
-                       spec_budget="fixed")
+                       spec_budget="fixed", **({"enforce_eager": True} if enforce_eager else {}))  # runs on older trees too
     eng = LLMEngine(model, None, cfg, drafter_tensors or {})
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
@@ -225,9 +226,9 @@ def run(args) -> list[dict]:
     for b in args.batch_sizes:
         if args.profile:
             prof = engine_step_ms(model, b, args.input_len, 16, args.spec, args.num_spec_tokens, drafter_tensors,
-                                  profile=True)
+                                  profile=True, enforce_eager=args.enforce_eager)
         ms = engine_step_ms(model, b, args.input_len, args.output_len, args.spec, args.num_spec_tokens,
-                            drafter_tensors)
+                            drafter_tensors, enforce_eager=args.enforce_eager)
         floor = 1000 * step_bytes(model, b, args.input_len + args.output_len // 2) / bandwidth
         row = {"batch": b, "ms_per_step": round(ms, 3), "tok_s": round(1000 * b / ms, 1),
                "floor_ms": round(floor, 4), "x_floor": round(ms / floor, 1)}
@@ -264,6 +265,7 @@ def add_latency_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--compare-transformers", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     p.add_argument("--profile", action="store_true", help="also profile 8 decode steps per batch size")
     p.add_argument("--json", default=None, help="write the rows here")
     p.set_defaults(func=cmd_latency)

@@ -93,7 +93,8 @@ def run_offline(args) -> list[dict]:
     for setting in settings:
         config = EngineConfig(max_num_seqs=max(concurrencies), max_num_batched_tokens=args.max_num_batched_tokens,
                               speculative=setting.method, spec_budget=setting.budget,
-                              num_spec_tokens=setting.num_spec_tokens, max_waiting=1 << 20)
+                              num_spec_tokens=setting.num_spec_tokens, max_waiting=1 << 20,
+                              enforce_eager=args.enforce_eager)
         t0 = time.perf_counter()
         engine = LLMEngine(ckpt.model, tok, config, ckpt.drafter_tensors)
         startup = time.perf_counter() - t0
@@ -101,6 +102,9 @@ def run_offline(args) -> list[dict]:
         for c in concurrencies:
             n = max(c * args.requests_per_client, args.min_requests)
             k = engine.spec.num_spec_tokens if engine.spec is not None else 0
+            # untimed: c short requests compile the kernels of this batch size (Triton JIT per new shape)
+            engine.generate([prompt_ids[i % len(prompt_ids)] for i in range(c)],
+                            SamplingParams(max_tokens=k + 4, ignore_eos=True))
             r = run_level(engine, prompt_ids, c, n, params, setting.method, k)
             row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
             row["engine_startup_s"] = round(startup, 2)
@@ -128,6 +132,7 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
     p.add_argument("--plot", default=None, help="PNG path for throughput vs concurrency")
     p.set_defaults(func=cmd_offline)

@@ -19,7 +19,6 @@ from sparkspec.engine.budget import CostTable, VerificationBudget, load_or_measu
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.sequence import Sequence
-from sparkspec.models.forward_batch import build_batch
 from sparkspec.spec_decode import build_proposer
 
 log = logging.getLogger("sparkspec.engine")
@@ -103,7 +102,8 @@ class SpecRunner:
         shape = json.dumps(cfg.to_dict(), sort_keys=True)
         p = next(self.model.parameters())
         key = machine_key(shape, str(p.dtype), str(p.device), torch.__version__, self.proposer.method,
-                          str(self.num_spec_tokens), str(self.config.max_num_seqs), "flat-v1")
+                          str(self.num_spec_tokens), str(self.config.max_num_seqs),
+                          "graphs" if runner.graphs is not None else "eager", "step-v2")
         cache_dir = Path(self.config.cost_cache_dir) if self.config.cost_cache_dir else None
 
         def measure() -> CostTable:
@@ -114,59 +114,50 @@ class SpecRunner:
 
     @torch.inference_mode()
     def measure_costs(self, runner, context_len: int = 32, repeats: int = 3) -> CostTable:
-        """Target forward time vs (requests, verify tokens), and the drafter's share, at a short context. Runs on
-        the engine's own pools before any request is admitted (block ids from 0)."""
-        cache, k = runner.cache, self.num_spec_tokens
-        per_seq = -(-(context_len + 2 * k + 2) // cache.block_size)
+        """Step time vs (requests, verify tokens), and the drafter's share, at a short context, measured through
+        `runner.execute` exactly as the engine runs a decode step (CUDA graphs included when they are on). Runs
+        on the engine's own pools before any request is admitted (block ids from 0)."""
+        k = self.num_spec_tokens
+        per_seq = -(-(context_len + 2 * k + 2) // runner.cache.block_size)
         grid, r = [], 1
-        while r <= min(self.config.max_num_seqs, cache.num_blocks // per_seq):
+        while r <= min(self.config.max_num_seqs, runner.cache.num_blocks // per_seq):
             grid.append(r)
             r *= 2
-        vocab = self.model.cfg.vocab_size
         target, draft = {}, []
         for r in grid:
-            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(r)]
-            ids = torch.randint(2, vocab, (r * context_len,)).tolist()
-            self.model(build_batch(cache, ids, tables, [0] * r, [context_len] * r, [0], runner.ratios))
+            items = self.probe_requests(runner, r, context_len, per_seq)
             points = []
             for e in range(k + 1):
-                n = 1 + e
-                batch_ids = torch.randint(2, vocab, (r * n,)).tolist()
-                times = []
-                for _ in range(repeats):
-                    runner.synchronize()
-                    t0 = time.perf_counter()
-                    self.model(build_batch(cache, batch_ids, tables, [context_len] * r, [n] * r,
-                                           list(range(r * n)), runner.ratios), **runner.capture)
-                    runner.synchronize()
-                    times.append(time.perf_counter() - t0)
-                points.append((r * n, sorted(times)[len(times) // 2]))
+                drafts = [[2 + j for j in range(e)] for _ in items]
+                points.append((r * (1 + e), self.time_step(runner, items, drafts, 0, repeats)))
             target[r] = points
-            draft.append((r, self.measure_draft_seconds(runner, r, context_len, repeats)))
+            if self.proposer.on_device:
+                plain = self.time_step(runner, items, [[] for _ in items], 0, repeats)
+                draft.append((r, max(self.time_step(runner, items, [[] for _ in items], k, repeats) - plain, 0.0)))
         return CostTable(target, draft)
 
-    def measure_draft_seconds(self, runner, num_reqs: int, context_len: int, repeats: int) -> float:
-        """One end-of-step draft (observe + propose) for `num_reqs` requests, by difference with a plain step."""
-        if not self.proposer.on_device:
-            return 0.0
-        from sparkspec.engine.scheduler import ScheduledSeq
+    def probe_requests(self, runner, num_reqs: int, context_len: int, per_seq: int) -> list[ScheduledSeq]:
+        """`num_reqs` decode rows after a prefilled context of `context_len` random tokens."""
         from sparkspec.sampling_params import SamplingParams
 
-        per_seq = -(-(context_len + 2 * self.num_spec_tokens + 2) // runner.cache.block_size)
         seqs = []
         for i in range(num_reqs):
-            s = Sequence(-1 - i, torch.randint(2, self.model.cfg.vocab_size, (context_len,)).tolist(),
-                         SamplingParams(max_tokens=4, ignore_eos=True))
+            ids = torch.randint(2, self.model.cfg.vocab_size, (context_len + 1,)).tolist()
+            s = Sequence(-1 - i, ids[:-1], SamplingParams(max_tokens=4, ignore_eos=True))
             s.block_ids = list(range(i * per_seq, (i + 1) * per_seq))
             seqs.append(s)
-        items = [ScheduledSeq(s, context_len) for s in seqs]
-        times = {}
-        for k in (0, self.num_spec_tokens):
-            ts = []
-            for _ in range(repeats):
-                runner.synchronize()
-                t0 = time.perf_counter()
-                runner.execute(items, [[] for _ in items], None, [-1] * len(items), k)
-                ts.append(time.perf_counter() - t0)
-            times[k] = sorted(ts)[len(ts) // 2]
-        return max(times[self.num_spec_tokens] - times[0], 0.0)
+        runner.execute([ScheduledSeq(s, context_len) for s in seqs], [[] for _ in seqs], None, [-1] * num_reqs, 0)
+        for s, tok in zip(seqs, ids[-1:] * num_reqs):
+            s.num_cached_tokens, s.output_ids = context_len, [tok]
+        return [ScheduledSeq(s, 1, self.num_spec_tokens) for s in seqs]
+
+    @staticmethod
+    def time_step(runner, items: list[ScheduledSeq], drafts: list[list[int]], k_next: int, repeats: int) -> float:
+        """Median seconds of one `runner.execute` (which ends with its device->host copy)."""
+        times = []
+        for _ in range(repeats + 1):  # the first run compiles / warms up and is dropped
+            t0 = time.perf_counter()
+            runner.execute(items, drafts, None, [-1] * len(items), k_next)
+            times.append(time.perf_counter() - t0)
+        times = sorted(times[1:])
+        return times[len(times) // 2]

@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA / HIP graphs (by default decode and verify steps replay captured graphs on a GPU)")
 
 
 def engine_config_from_args(args, speculative: str, **extra):
@@ -39,7 +41,7 @@ def engine_config_from_args(args, speculative: str, **extra):
         max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
         memory_fraction=args.kv_cache_fraction, speculative=speculative, num_spec_tokens=args.num_spec_tokens,
-        spec_budget=args.spec_budget, **extra)
+        spec_budget=args.spec_budget, enforce_eager=args.enforce_eager, **extra)
 
 
 def default_spec(ckpt) -> str:
@@ -101,6 +103,10 @@ def cmd_serve(args) -> int:
     print(f"serving '{name}' from {ckpt.path} on http://{args.host}:{args.port} "
           f"(spec={engine.config.speculative}, budget={engine.config.spec_budget}); {engine.kv_plan.describe()}",
           file=sys.stderr)
+    if engine.runner.graphs is not None:
+        g = engine.runner.graphs
+        print(f"CUDA graphs: {len(g.graphs)} captured (batch sizes {g.sizes}, query lengths {list(g.query_lens)}) in "
+              f"{g.capture_seconds:.1f} s, {g.graph_bytes / 2**20:.0f} MiB", file=sys.stderr)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, name, default_max_tokens=args.default_max_tokens,
                      max_request_bytes=args.max_request_bytes)
