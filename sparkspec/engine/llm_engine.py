@@ -13,7 +13,7 @@ from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.kv_cache import KVCachePlan, plan_kv_cache
 from sparkspec.engine.model_runner import ModelRunner, StepResult
 from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from sparkspec.engine.sequence import Sequence
+from sparkspec.engine.sequence import Sequence, TokenSource
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.tokenizer import IncrementalDetokenizer
 
@@ -48,6 +48,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # [len(token_ids)] when SamplingParams.logprobs is set
     prompt_logprobs: list[dict[int, float] | None] | None = None  # [len(prompt)], None first, once all are scored
     outputs: list[CompletionOutput] = field(default_factory=list)
+    token_sources: list[int] = field(default_factory=list)  # [len(token_ids)] `TokenSource` of each output token
 
 
 @dataclass
@@ -219,6 +220,7 @@ class LLMEngine:
             before = len(seq.output_ids)
             self.append(seq, row.token_ids)
             produced[seq] = seq.output_ids[before:]
+            seq.token_sources += TokenSource.of_step(len(drafts[i]), row.num_accepted)[: len(produced[seq])]
             if seq.logprobs is not None:
                 seq.logprobs += row.logprobs[: len(produced[seq])]
             if self.spec is not None and not self.spec.proposer.on_device and not seq.is_finished \
@@ -297,7 +299,8 @@ class LLMEngine:
             else None  # complete: never changed again (a recompute scores nothing)
         return RequestOutput(seq.request_id, seq.prompt_ids, token_ids, list(new), text, seq.is_finished,
                              seq.finish_reason, seq.num_cached_tokens, metrics, logprobs, scored,
-                             [CompletionOutput(0, token_ids, text, seq.finish_reason, logprobs)])
+                             [CompletionOutput(0, token_ids, text, seq.finish_reason, logprobs)],
+                             list(seq.token_sources))
 
     # ---- offline convenience ----
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]

@@ -15,6 +15,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class TokenSource:
+    """How an output token came, one int per token (`Sequence.token_sources`): a draft the target accepted, at
+    its draft position 1..k; the bonus token the target samples after accepting every draft of a step; or a token
+    the target sampled itself (a plain decode step, a prefill's first token, the correction after a rejection).
+    Ints, not names: one per generated token, kept for every request."""
+
+    TARGET = 0
+    BONUS = -1
+
+    @staticmethod
+    def of_step(num_drafts: int, num_accepted: int) -> list[int]:
+        """Sources of the num_accepted + 1 tokens one sampled row emits."""
+        last = TokenSource.BONUS if num_drafts and num_accepted == num_drafts else TokenSource.TARGET
+        return list(range(1, num_accepted + 1)) + [last]
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -65,6 +81,7 @@ class Sequence:
     seed: int = 0  # the request's seed, or one drawn at random on arrival: all its randomness derives from it
     detokenizer: Any = None  # IncrementalDetokenizer (engine-owned; None without a tokenizer)
     logprobs: list | None = None  # [len(output_ids)] {id: logprob} per output token, when params.logprobs is set
+    token_sources: list[int] = field(default_factory=list)  # [len(output_ids)] how each came (see TokenSource)
     prompt_logprobs: list | None = None  # [None, {..}, ...] per prompt token scored so far (params.prompt_logprobs)
 
     @property
