@@ -57,13 +57,18 @@ class DSparkProposer(Proposer):
         block_ids[:, 0] = step.pending_ids
         out = d.forward_block(self.target.embed, self.target.head, block_ids, step.pending_pos, ctx_kv, ctx_rows)
         prev, tokens, probs, confs = step.pending_ids, [], [], []
+        greedy = step.sampling.all_greedy  # q would be one-hot on the argmax: skip building it
         for i in range(k):  # the Markov head, strictly left to right
-            q = probs_for(d.markov_logits(out.base_logits[:, i], prev), step.sampling)  # [R, V] exact draft q
+            logits = d.markov_logits(out.base_logits[:, i], prev)  # [R, V]
             conf = d.confidence_logits(out.hidden[:, i], prev)  # [R] or None
-            prev = sample(q, step.sampling.seeds, step.pending_pos + 1 + i, STREAM_DRAFT)
+            if greedy:
+                prev = logits.argmax(-1)
+            else:
+                q = probs_for(logits, step.sampling)  # [R, V] the exact draft distribution
+                prev = sample(q, step.sampling.seeds, step.pending_pos + 1 + i, STREAM_DRAFT)
+                probs.append(q)
             tokens.append(prev)
-            probs.append(q)
             if conf is not None:
                 confs.append(d.confidence(conf, i))
-        return DraftBatch(torch.stack(tokens, 1), None if step.sampling.all_greedy else torch.stack(probs, 1),
+        return DraftBatch(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1),
                           torch.stack(confs, 1) if confs else None)

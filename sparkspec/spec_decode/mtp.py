@@ -74,7 +74,11 @@ class MTPProposer(Proposer):
                     return a.project_out(o, pos)
 
                 streams = self.drafter.forward_rows(0, self.target.embed, streams, tokens[-1], pos, attend)
-            q = probs_for(self.drafter.logits(0, streams, self.target.norm, self.target.head), step.sampling)
+            logits = self.drafter.logits(0, streams, self.target.norm, self.target.head)  # [R, V]
+            if step.sampling.all_greedy:  # q would be one-hot on the argmax
+                tokens.append(logits.argmax(-1))
+                continue
+            q = probs_for(logits, step.sampling)
             tokens.append(sample(q, step.sampling.seeds, step.pending_pos + 1 + j, STREAM_DRAFT))
             probs.append(q)
-        return DraftBatch(torch.stack(tokens, 1), None if step.sampling.all_greedy else torch.stack(probs, 1))
+        return DraftBatch(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)
