@@ -5,7 +5,11 @@ carry their neutral value (e.g. `best_of: 1`, `presence_penalty: 0`). Bookkeepin
 
 Extension `speculative` (any request): `{"num_spec_tokens": K}` verifies at most K drafts per step for this
 request (0..the server's k), `{"enabled": false}` turns drafting off for it; absent, the server's setting.
-Speculation never changes what is sampled, only how fast."""
+Speculation never changes what is sampled, only how fast.
+
+Extension `sparkspec` (any request): `{"token_sources": true}` makes every choice (and every streamed chunk's
+choice) carry `"sparkspec": {"token_sources", "token_texts", "spec"}`: how each output token came (see
+`sparkspec.serve.provenance`). Without it, responses are plain OpenAI objects."""
 
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM)
     speculative: Any = None  # extension (sparkspec): see the module docstring; checked by `num_spec_tokens`
+    sparkspec: Any = None  # extension (sparkspec): {"token_sources": bool}; checked by `wants_token_sources`
     n: int = 1
     # bookkeeping fields of OpenAI's API: accepted and ignored
     user: str | None = None
@@ -85,6 +90,7 @@ class _Common(BaseModel):
             raise RequestError("'seed' must be an integer in [-2**63, 2**64)", "seed")
         if self.stream_options is not None and not self.stream:
             raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options")
+        self.wants_token_sources()
 
     def num_spec_tokens(self, server_k: int) -> int | None:
         """The request's draft cap from `speculative` (None: the server's), checked against the server's k (0 when
@@ -111,6 +117,23 @@ class _Common(BaseModel):
         if "enabled" in spec and k is None and not server_k:
             raise RequestError(f"speculation was asked for, but this server runs none ('{field}' must be 0)", field)
         return k
+
+    def wants_token_sources(self) -> bool:
+        """Whether the response carries per-token provenance (the `sparkspec` extension). Checked here rather than
+        by a pydantic model so that a mistake reads as one line naming the field, like `speculative`'s."""
+        ext = self.sparkspec
+        if ext is None:
+            return False
+        if not isinstance(ext, dict):
+            raise RequestError("'sparkspec' must be an object such as {\"token_sources\": true}", "sparkspec")
+        unknown = sorted(set(ext) - {"token_sources"})
+        if unknown:
+            raise RequestError(f"unsupported field 'sparkspec.{_printable(str(unknown[0]))}'", "sparkspec",
+                               code="unsupported_parameter")
+        on = ext.get("token_sources", False)
+        if not isinstance(on, bool):
+            raise RequestError("'sparkspec.token_sources' must be a boolean", "sparkspec.token_sources")
+        return on
 
     def extra_params(self) -> dict:
         """SamplingParams fields particular to the endpoint (logprobs)."""
