@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE with `stream: true`), /v1/models,
-/health, /metrics. Every client error is a 4xx with an OpenAI-style body; the engine never sees a bad request.
+/health, /metrics; and the playground: `/` (a static page from `static/`) with `/v1/sparkspec/info`. Every client error is a 4xx with an OpenAI-style body; the engine never sees a bad request.
 
 Reading the body, parsing, validation and tokenisation run in a worker thread, so a large prompt delays
 nobody else's stream or /health. `drain` (called by the server on SIGTERM) answers new requests 503, lets
@@ -14,9 +14,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -31,6 +33,7 @@ RETRY_AFTER_S = 1
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 LONG_TEXT_CHARS = 1 << 16  # shorter texts encode in milliseconds: the GIL is not held long enough to matter
+STATIC_DIR = Path(__file__).parent / "static"  # the playground: plain files, no build step (package-data)
 log = logging.getLogger("sparkspec.serve")
 
 
@@ -66,6 +69,21 @@ async def merge(streams: list) -> AsyncIterator[tuple[int, object]]:
         await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
             await s.aclose()
+
+
+def server_info(engine, model_name: str, default_max_tokens: int) -> dict:
+    """What a client (the playground) may set per request. The method is fixed when the server starts (one
+    drafter is loaded and its caches sized), so it is reported with the reason; k can be lowered per request
+    through the `speculative` extension whenever the server drafts at all."""
+    k = engine.spec.num_spec_tokens if engine.spec is not None else 0
+    method = engine.spec.proposer.method if engine.spec is not None else "none"
+    return {"model": model_name, "max_model_len": engine.max_model_len, "default_max_tokens": default_max_tokens,
+            "speculative": {"method": method, "num_spec_tokens": k,
+                            "budget": engine.config.spec_budget if k else None,
+                            "per_request_method": False,
+                            "per_request_method_reason": "the server runs one method, chosen at start (--spec)",
+                            "per_request_num_spec_tokens": k > 0},
+            "extensions": ["speculative", "sparkspec.token_sources"]}
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int = 256,
@@ -272,7 +290,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
         check_accepting()
         admit(prompt_ids, params)
         view = CompletionView(f"cmpl-{uuid.uuid4().hex[:24]}", model_name, tokenizer, prompt_ids, text, req.echo,
-                              req.logprobs)
+                              req.logprobs, req.wants_token_sources())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await run(request, prompt_ids, params, view, req.stream, include_usage)
 
@@ -281,7 +299,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
         req, prompt_ids, params = await asyncio.to_thread(prepare_chat, await read_body(request))
         check_accepting()
         admit(prompt_ids, params)
-        view = ChatView(f"chatcmpl-{uuid.uuid4().hex[:24]}", model_name, tokenizer, prompt_ids, params.logprobs)
+        view = ChatView(f"chatcmpl-{uuid.uuid4().hex[:24]}", model_name, tokenizer, prompt_ids, params.logprobs,
+                        req.wants_token_sources())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await run(request, prompt_ids, params, view, req.stream, include_usage)
 
@@ -289,6 +308,16 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "sparkspec", "max_model_len": engine.engine.max_model_len}]}
+
+    @app.get("/v1/sparkspec/info")
+    async def info():
+        return server_info(engine.engine, model_name, default_max_tokens)
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return FileResponse(STATIC_DIR / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/health")
     async def health():
