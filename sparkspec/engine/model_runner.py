@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkspec.engine.scheduler import ScheduledSeq
+from sparkspec.engine.step_io import Download, Upload, float_bits
 from sparkspec.models.cache import KVCache
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.forward_batch import build_batch, to_device
@@ -68,9 +69,27 @@ def prompt_rows(seq, start: int, num_tokens: int) -> range:
     return range(max(start, len(seq.prompt_logprobs) - 1), min(start + num_tokens, len(seq.prompt_ids) - 1))
 
 
-def _as_int64_bits(values: list[float]) -> list[int]:
-    """Floats shipped inside the int64 batch copy (read back with `.view(torch.float64)`)."""
-    return np.asarray(values, dtype=np.float64).view(np.int64).tolist()
+@dataclass
+class StepPlan:
+    """The host side of one step."""
+
+    items: list[ScheduledSeq]
+    drafts: list[list[int]]
+    item_ids: list[list[int]] = field(default_factory=list)  # per item: its chunk, then its drafts
+    sampling: list[int] = field(default_factory=list)  # items whose last row yields a token (S of them)
+    K: int = 0  # most drafts any sampling item verifies
+    key: tuple[int, int] | None = None  # the captured graph shape (R, q) the step runs as; None = eager
+    logits_rows: list[int] = field(default_factory=list)
+    next_host: list[int] = field(default_factory=list)  # per row: the token after it (MTP only)
+    prompt_items: list[tuple[int, int, int]] = field(default_factory=list)  # (item, first position, rows)
+    logprob_rows: list[int] = field(default_factory=list)  # sampling rows whose requests want logprobs
+    num_top: int = 0
+    num_prompt_top: int = 0
+    upload: Upload = field(default_factory=Upload)
+
+    @property
+    def params(self) -> list:
+        return [self.items[i].seq.params for i in self.sampling]
 
 
 class ModelRunner:
@@ -116,169 +135,170 @@ class ModelRunner:
         draft_rows: list[int],  # per item: its row in draft_probs, -1 = one-hot q (greedy or host drafter)
         num_next_drafts: int,  # k for the device drafter at the end of this step (0 = do not draft)
     ) -> StepResult:
-        """Logprobs (only when a request of the step asks; host flags): rows 0..L of a request that wants them
-        go through `logprobs_for` (the distribution it samples from, never the drafter's), and prompt rows that
+        """plan (host) -> forward -> accept -> draft -> the one copy back -> read.
+
+        Logprobs (only when a request of the step asks; host flags): rows 0..L of a request that wants them go
+        through `logprobs_for` (the distribution it samples from, never the drafter's), and prompt rows that
         score prompt tokens for `prompt_logprobs` (the raw log-softmax: those tokens were not sampled) are added
         to `logits_rows`; both ride in the step's one copy."""
-        # ---- host: pack the step ----
-        ids, tables, starts, nums, logits_rows, sampling, next_host, item_ids = [], [], [], [], [], [], [], []
-        first_lrow, prompt_lrows, prompt_next, prompt_items = {}, [], [], []
-        for i, (it, d) in enumerate(zip(items, drafts)):
-            seq, nc = it.seq, it.seq.num_cached_tokens
-            chunk = seq.token_ids(nc, nc + it.num_tokens)
-            scored = prompt_rows(seq, nc, it.num_tokens)
-            if scored:
-                prompt_items.append((i, scored.start, len(scored)))
-                prompt_lrows += range(len(logits_rows), len(logits_rows) + len(scored))
-                prompt_next += seq.prompt_ids[scored.start + 1 : scored.stop + 1]
-                logits_rows += range(len(ids) + scored.start - nc, len(ids) + scored.stop - nc)
-            if it.samples:
-                sampling.append(i)
-                first_lrow[i] = len(logits_rows)
-                logits_rows += range(len(ids) + it.num_tokens - 1, len(ids) + it.num_tokens + len(d))
-            ids += chunk
-            ids += d
-            item_ids.append(chunk + d)
-            if self.capture.get("capture_final_streams"):  # MTP reads the token after every row
-                after = seq.token_ids(nc + 1, nc + it.num_tokens + 1)
-                next_host += after + [0] * (it.num_tokens + len(d) - len(after))
-            tables.append(seq.block_ids)
-            starts.append(nc)
-            nums.append(it.num_tokens + len(d))
-        S = len(sampling)
-        K = max((len(drafts[i]) for i in sampling), default=0)
-        key = self.graph_key(items, drafts, prompt_items)
-        if key is not None:  # the static layout: request i owns rows i·q .. i·q + q - 1, logits for every row
-            R_pad, q = key
-            first_lrow = {i: i * q for i in sampling}
-            if next_host:
-                next_host = [0] * (R_pad * q)  # decode rows: the token after each row is emitted this step
-        gather, draft_ids, qrow = [], [], []
-        for i in sampling:
-            k = len(drafts[i])
-            gather += [first_lrow[i] + min(j, k) for j in range(K + 1)]  # pad with the last row: never read
-            draft_ids += drafts[i] + [-1] * (K - k)
-            qrow.append(draft_rows[i] if k else -1)
-        params = [items[i].seq.params for i in sampling]
-        seeds = [items[i].seq.seed for i in sampling]
-        positions = [items[i].seq.num_cached_tokens + items[i].num_tokens for i in sampling]  # where d_0 sits
-        req_rows = list(sampling)
-        first = np.cumsum([0] + nums).tolist() if key is None else [i * key[1] for i in range(len(items) + 1)]
-        row_of_pending = [first[i] + items[i].num_tokens - 1 for i in sampling]  # first forward row of every item
-        floats = _as_int64_bits([p.temperature for p in params] + [p.top_p for p in params])
-        lp_sel = [r for r, p in enumerate(params) if p.logprobs is not None]  # sampling rows that want logprobs
-        extra = gather + draft_ids + qrow + [p.top_k for p in params] + seeds + positions + req_rows \
-            + row_of_pending + floats + next_host + lp_sel + prompt_lrows + prompt_next
-        if key is None:
-            batch = build_batch(self.cache, ids, tables, starts, nums, logits_rows, self.ratios, extra)
-            out = self.model(batch, **self.capture)
-            ex = batch._memo["extra"]
-        else:
-            head = self.graphs.pack(key, item_ids, tables, starts)
-            flat = to_device(head + extra, self.device)
-            batch, out = self.graphs.run(key, flat)
-            ex = flat[len(head):]
-        parts, o = [], 0
-        for n in (S * (K + 1), S * K, S, S, S, S, S, S, 2 * S, len(next_host), len(lp_sel), len(prompt_lrows),
-                  len(prompt_next)):
-            parts.append(ex[o : o + n])
-            o += n
-        gather_t, draft_t, qrow_t, top_k, seeds_t, pos_t, req_t, pend_row_t, float_t, next_t, lp_t, plr_t, pnx_t = parts
-        V = out.logits.shape[-1]
-        num_top = min(max((p.logprobs for p in params if p.logprobs is not None), default=0), V)
-        num_ptop = min(max((items[i].seq.params.prompt_logprobs for i, _, _ in prompt_items), default=0), V)
-        results, sizes = [], {}
-
-        def ship(name: str, pieces: list[torch.Tensor]) -> None:
-            sizes[name] = [p.numel() for p in pieces]
-            results.extend(p.double().flatten() for p in pieces)
-
-        if prompt_lrows:  # prompt tokens: the model's raw distribution
-            ship("prompt", gather_logprobs(torch.log_softmax(out.logits[plr_t].float(), -1), pnx_t, num_ptop))
-        if not S:
+        plan = self.plan(items, drafts, draft_rows)
+        batch, out, dev = self.forward(plan)
+        down = Download()
+        if plan.prompt_items:  # prompt tokens: the model's raw distribution
+            lp = torch.log_softmax(out.logits[dev["prompt_rows"]].float(), -1)
+            down.add("prompt", *gather_logprobs(lp, dev["prompt_next"], plan.num_prompt_top))
+        if not plan.sampling:
             if self.proposer is not None and self.proposer.on_device:  # a prefill chunk: context only
                 empty = batch.positions[:0]
-                self.proposer.observe(StepRows(batch, out, next_t, empty, empty, empty, empty, None))
-            host = torch.cat(results).cpu().tolist() if results else []
-            return StepResult({}, None, {}, self.read_prompt_logprobs(host, sizes, items, prompt_items, num_ptop))
+                self.proposer.observe(StepRows(batch, out, dev["next_ids"], empty, empty, empty, empty, None))
+            return self.read(plan, down.fetch(), None, 0)
+        tokens, num_accepted, st, logits = self.accept(plan, out, dev, draft_probs)
+        down.add("accepted", num_accepted)
+        down.add("tokens", tokens)
+        if plan.logprob_rows:  # rows 0..K of the requests that ask (rows past L are read back but dropped)
+            lp_t, K1 = dev["logprob_rows"], plan.K + 1
+            lp = logprobs_for(logits[lp_t].flatten(0, 1), st.index_select(lp_t).repeat_interleave(K1))
+            down.add("sampled", *gather_logprobs(lp, tokens[lp_t].flatten(), plan.num_top))
+        next_probs, k_next = None, 0
+        if self.proposer is not None and self.proposer.on_device:
+            proposal = self.draft(plan, batch, out, dev, tokens, num_accepted, st, num_next_drafts)
+            if proposal is not None:
+                k_next, next_probs = num_next_drafts, proposal.probs
+                down.add("drafts", proposal.token_ids)
+                if proposal.confidences is not None:
+                    down.add("confidences", proposal.confidences)
+        return self.read(plan, down.fetch(), next_probs, k_next)
 
-        # ---- device: accept ----
-        temp_top_p = float_t.view(torch.float64).float()
-        st = SamplingTensors(temp_top_p[:S], top_k, temp_top_p[S:], seeds_t, all(p.greedy for p in params),
-                             any(p.top_k > 0 and not p.greedy for p in params),
-                             any(p.top_p < 1 and not p.greedy for p in params))
-        logits = out.logits[gather_t].view(S, K + 1, -1)  # [S, K+1, V]
-        draft_t = draft_t.view(S, K)
+    def plan(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int]) -> StepPlan:
+        """Host side of a step: rows, logits rows, and every int the device needs, packed by name."""
+        p = StepPlan(items, drafts)
+        logits_rows, first_lrow, rows = [], {}, 0
+        prompt_lrows, prompt_next = [], []
+        for i, (it, d) in enumerate(zip(items, drafts)):
+            seq, nc = it.seq, it.seq.num_cached_tokens
+            scored = prompt_rows(seq, nc, it.num_tokens)
+            if scored:
+                p.prompt_items.append((i, scored.start, len(scored)))
+                prompt_lrows += range(len(logits_rows), len(logits_rows) + len(scored))
+                prompt_next += seq.prompt_ids[scored.start + 1 : scored.stop + 1]
+                logits_rows += range(rows + scored.start - nc, rows + scored.stop - nc)
+            if it.samples:
+                p.sampling.append(i)
+                first_lrow[i] = len(logits_rows)
+                logits_rows += range(rows + it.num_tokens - 1, rows + it.num_tokens + len(d))
+            p.item_ids.append(seq.token_ids(nc, nc + it.num_tokens) + d)
+            if self.capture.get("capture_final_streams"):  # MTP reads the token after every row
+                after = seq.token_ids(nc + 1, nc + it.num_tokens + 1)
+                p.next_host += after + [0] * (it.num_tokens + len(d) - len(after))
+            rows += it.num_tokens + len(d)
+        p.logits_rows = logits_rows
+        p.K = max((len(drafts[i]) for i in p.sampling), default=0)
+        p.key = self.graph_key(items, drafts, p.prompt_items)
+        first = np.cumsum([0] + [len(ids) for ids in p.item_ids]).tolist()  # first forward row of every item
+        if p.key is not None:  # the static layout: request i owns rows i·q .. i·q + q - 1, logits for every row
+            R_pad, q = p.key
+            first = [i * q for i in range(len(items) + 1)]
+            first_lrow = {i: i * q for i in p.sampling}
+            if p.next_host:
+                p.next_host = [0] * (R_pad * q)  # decode rows: the token after each row is emitted this step
+        params = p.params
+        V = self.model.cfg.vocab_size
+        p.logprob_rows = [r for r, sp in enumerate(params) if sp.logprobs is not None]
+        p.num_top = min(max((sp.logprobs for sp in params if sp.logprobs is not None), default=0), V)
+        p.num_prompt_top = min(max((items[i].seq.params.prompt_logprobs for i, _, _ in p.prompt_items), default=0), V)
+        up = p.upload
+        up.add("gather", [first_lrow[i] + min(j, len(drafts[i])) for i in p.sampling for j in range(p.K + 1)])
+        up.add("draft_ids", [t for i in p.sampling for t in drafts[i] + [-1] * (p.K - len(drafts[i]))])
+        up.add("q_rows", [draft_rows[i] if drafts[i] else -1 for i in p.sampling])
+        up.add("top_k", [sp.top_k for sp in params])
+        up.add("seeds", [items[i].seq.seed for i in p.sampling])
+        up.add("positions", [items[i].seq.num_cached_tokens + items[i].num_tokens for i in p.sampling])  # d_0's
+        up.add("reqs", p.sampling)
+        up.add("pending_rows", [first[i] + items[i].num_tokens - 1 for i in p.sampling])
+        up.add("floats", float_bits([sp.temperature for sp in params] + [sp.top_p for sp in params]))
+        up.add("next_ids", p.next_host)
+        up.add("logprob_rows", p.logprob_rows)
+        up.add("prompt_rows", prompt_lrows)
+        up.add("prompt_next", prompt_next)
+        return p
+
+    def forward(self, p: StepPlan):
+        """The one host->device copy and the target forward (a graph replay for decode steps) ->
+        (batch, output, the uploaded parts by name)."""
+        items = p.items
+        tables = [it.seq.block_ids for it in items]
+        starts = [it.seq.num_cached_tokens for it in items]
+        if p.key is None:
+            ids = [t for row in p.item_ids for t in row]
+            batch = build_batch(self.cache, ids, tables, starts, [len(r) for r in p.item_ids], p.logits_rows,
+                                self.ratios, p.upload.flat())
+            return batch, self.model(batch, **self.capture), p.upload.split(batch._memo["extra"])
+        head = self.graphs.pack(p.key, p.item_ids, tables, starts)
+        flat = to_device(head + p.upload.flat(), self.device)
+        batch, out = self.graphs.run(p.key, flat)
+        return batch, out, p.upload.split(flat[len(head):])
+
+    def accept(self, p: StepPlan, out, dev: dict, draft_probs: torch.Tensor | None):
+        """The rejection sampler on every sampling request at once -> (tokens [S, K+1], num_accepted [S],
+        sampling tensors, logits [S, K+1, V])."""
+        S, K, params = len(p.sampling), p.K, p.params
+        temp_top_p = dev["floats"].view(torch.float64).float()
+        st = SamplingTensors(temp_top_p[:S], dev["top_k"], temp_top_p[S:], dev["seeds"],
+                             all(sp.greedy for sp in params), any(sp.top_k > 0 and not sp.greedy for sp in params),
+                             any(sp.top_p < 1 and not sp.greedy for sp in params))
+        logits = out.logits[dev["gather"]].view(S, K + 1, -1)  # [S, K+1, V]
+        draft_ids = dev["draft_ids"].view(S, K)
         q = None
         if K and not st.all_greedy:
-            onehot = F.one_hot(draft_t.clamp(min=0), logits.shape[-1]).float()  # [S, K, V]
+            onehot = F.one_hot(draft_ids.clamp(min=0), logits.shape[-1]).float()  # [S, K, V]
+            q = onehot
             if draft_probs is not None:
-                prev = draft_probs[qrow_t.clamp(min=0), :K].float()
-                q = torch.where((qrow_t >= 0).view(S, 1, 1), prev, onehot)
-            else:
-                q = onehot
-        tokens, num_accepted = self.sampler(logits, draft_t, q, st, pos_t)  # [S, K+1], [S]
-        results += [num_accepted.double(), tokens.double().flatten()]
-        if lp_sel:  # rows 0..K of the requests that ask (rows past L are read back but dropped)
-            lp = logprobs_for(logits[lp_t].view(-1, V), st.index_select(lp_t).repeat_interleave(K + 1))
-            ship("sampled", gather_logprobs(lp, tokens[lp_t].flatten(), num_top))  # [S_lp * (K+1), ...]
+                q_rows = dev["q_rows"]
+                q = torch.where((q_rows >= 0).view(S, 1, 1), draft_probs[q_rows.clamp(min=0), :K].float(), onehot)
+        tokens, num_accepted = self.sampler(logits, draft_ids, q, st, dev["positions"])  # [S, K+1], [S]
+        return tokens, num_accepted, st, logits
 
-        # ---- device: draft for the next step ----
-        next_probs, k_next, n_conf = None, 0, 0
-        if self.proposer is not None and self.proposer.on_device:
-            # the token after each row: the next input, or on verify rows the emitted token (past them: garbage;
-            # only MTP reads it)
-            next_ids = next_t
-            if len(next_host):
-                verify_rows = pend_row_t.unsqueeze(1) + torch.arange(K + 1, device=tokens.device)  # [S, K+1]
-                ok = tokens >= 0  # j <= L: inside the request's own rows; the rest repeat column 0's write
-                rows = torch.where(ok, verify_rows, pend_row_t.unsqueeze(1))
-                next_ids = next_t.index_put((rows,), torch.where(ok, tokens, tokens[:, :1]))
-            pending = tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [S] the new pending token
-            step = StepRows(batch, out, next_ids, req_t, pending, pos_t + num_accepted, pend_row_t + num_accepted, st)
-            self.proposer.observe(step)
-            k_next = num_next_drafts
-            if k_next:
-                proposal = self.proposer.propose(step, k_next)
-                results.append(proposal.token_ids.double().flatten())
-                if proposal.confidences is not None:
-                    results.append(proposal.confidences.double().flatten())
-                    n_conf = S * k_next
-                next_probs = proposal.probs
+    def draft(self, p: StepPlan, batch, out, dev: dict, tokens, num_accepted, st, k: int):
+        """The device drafter sees the step's rows (all written into its context) and drafts k tokens after each
+        new pending token -> its DraftBatch, or None when k = 0."""
+        pending_rows, next_ids = dev["pending_rows"], dev["next_ids"]
+        if p.next_host:  # the token after a verify row is the token emitted there (past them: garbage, unread)
+            verify_rows = pending_rows.unsqueeze(1) + torch.arange(p.K + 1, device=tokens.device)  # [S, K+1]
+            ok = tokens >= 0  # j <= L: inside the request's own rows; the rest repeat column 0's write
+            rows = torch.where(ok, verify_rows, pending_rows.unsqueeze(1))
+            next_ids = next_ids.index_put((rows,), torch.where(ok, tokens, tokens[:, :1]))
+        pending = tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [S] the new pending token
+        step = StepRows(batch, out, next_ids, dev["reqs"], pending, dev["positions"] + num_accepted,
+                        pending_rows + num_accepted, st)
+        self.proposer.observe(step)
+        return self.proposer.propose(step, k) if k else None
 
-        # ---- the one device->host copy ----
-        host = torch.cat(results).cpu().tolist()
-        prompt = self.read_prompt_logprobs(host, sizes, items, prompt_items, num_ptop)
-        o = sum(sizes.get("prompt", []))
-        L = [int(x) for x in host[o : o + S]]
-        toks = host[o + S : o + S + S * (K + 1)]
-        o += S + S * (K + 1)
-        lp_host = []
-        for n in sizes.get("sampled", []):
-            lp_host.append(host[o : o + n])
-            o += n
-        nxt = host[o : o + S * k_next]
-        conf = host[o + S * k_next : o + S * k_next + n_conf]
-        rows, lp_of = {}, {r: j for j, r in enumerate(lp_sel)}
-        for r, i in enumerate(sampling):
-            emitted = [int(t) for t in toks[r * (K + 1) : r * (K + 1) + L[r] + 1]]
+    def read(self, p: StepPlan, host: dict, next_probs, k_next: int) -> StepResult:
+        """The host copy -> per item: accepted count, emitted tokens, next drafts, logprobs."""
+        prompt = self.read_prompt_logprobs(host.get("prompt", []), p.items, p.prompt_items, p.num_prompt_top)
+        if not p.sampling:
+            return StepResult({}, None, {}, prompt)
+        K1 = p.K + 1
+        L = [int(x) for x in host["accepted"][0]]
+        toks = host["tokens"][0]
+        nxt = host["drafts"][0] if "drafts" in host else []
+        conf = host["confidences"][0] if "confidences" in host else None
+        lp_of = {r: j for j, r in enumerate(p.logprob_rows)}
+        rows = {}
+        for r, i in enumerate(p.sampling):
+            emitted = [int(t) for t in toks[r * K1 : r * K1 + L[r] + 1]]
             lps = None
             if r in lp_of:
-                lps = logprob_dicts(emitted, lp_host, lp_of[r] * (K + 1), min(params[r].logprobs, num_top), num_top)
+                lps = logprob_dicts(emitted, host["sampled"], lp_of[r] * K1, min(p.params[r].logprobs, p.num_top),
+                                    p.num_top)
             rows[i] = SampledRow(L[r], emitted, [int(t) for t in nxt[r * k_next : (r + 1) * k_next]],
                                  conf[r * k_next : (r + 1) * k_next] if conf else None, lps)
-        return StepResult(rows, next_probs, {i: r for r, i in enumerate(sampling)}, prompt)
+        return StepResult(rows, next_probs, {i: r for r, i in enumerate(p.sampling)}, prompt)
 
     @staticmethod
-    def read_prompt_logprobs(host: list[float], sizes: dict, items: list[ScheduledSeq],
+    def read_prompt_logprobs(pieces: list[list[float]], items: list[ScheduledSeq],
                              prompt_items: list[tuple[int, int, int]], num_top: int) -> dict[int, Logprobs]:
-        """The prompt part at the head of the copy -> item index -> dicts of the prompt tokens its chunk scored."""
-        if not prompt_items:
-            return {}
-        pieces, o = [], 0
-        for n in sizes["prompt"]:
-            pieces.append(host[o : o + n])
-            o += n
+        """The prompt part of the copy -> item index -> dicts of the prompt tokens its chunk scored."""
         out, row = {}, 0
         for i, start, n in prompt_items:  # the rows from position `start` score prompt tokens start + 1..
             seq = items[i].seq

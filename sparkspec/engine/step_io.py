@@ -1,0 +1,60 @@
+"""The two copies of a step, by name: host ints to the device once, device results to the host once.
+
+    up = Upload(); up.add("seeds", seeds); ...; dev = up.split(device_tensor)   # dev["seeds"] -> [S] int64
+    down = Download(); down.add("tokens", tokens); ...; host = down.fetch()   # host["tokens"] -> list of floats
+
+Naming the parts keeps the packing and the reading in one place each (no offsets to keep in step by hand).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def float_bits(values: list[float]) -> list[int]:
+    """Floats shipped inside the int64 upload (read back with `.view(torch.float64)`)."""
+    return np.asarray(values, dtype=np.float64).view(np.int64).tolist()
+
+
+class Upload:
+    """Named lists of host ints laid end to end."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[int]] = {}
+
+    def add(self, name: str, values: list[int]) -> None:
+        self.parts[name] = list(values)
+
+    def flat(self) -> list[int]:
+        return [x for part in self.parts.values() for x in part]
+
+    def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The device copy of `flat()` -> name -> its slice."""
+        out, off = {}, 0
+        for name, part in self.parts.items():
+            out[name] = flat[off : off + len(part)]
+            off += len(part)
+        return out
+
+
+class Download:
+    """Named device tensors gathered into one device->host copy (as float64: token ids are exact below 2^53)."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, name: str, *tensors: torch.Tensor) -> None:
+        self.pieces[name] = list(tensors)
+
+    def fetch(self) -> dict[str, list[list[float]]]:
+        """The one copy (it waits for the device) -> name -> one host list per tensor added."""
+        flat = [t.double().flatten() for ts in self.pieces.values() for t in ts]
+        host = torch.cat(flat).cpu().tolist() if flat else []
+        out, off = {}, 0
+        for name, ts in self.pieces.items():
+            out[name] = []
+            for t in ts:
+                out[name].append(host[off : off + t.numel()])
+                off += t.numel()
+        return out
