@@ -375,7 +375,6 @@ def test_attention_kind_matches_dense_reference(layer_id):
     model = make_model(seed=1)
     attn = model.layers[layer_id].attn
     x = rand(37, model.cfg.hidden_size, seed=layer_id)  # > window, several blocks of ratio 4 and 8
-    pos = torch.arange(37, device=DEVICE)
     with torch.no_grad():
         cache, tables = KVCache.for_sequences(model, 1, 37)
         got = attn(x, build_batch(cache, [0] * 37, tables, [0], [37], None, model.compress_ratios))

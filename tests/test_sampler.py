@@ -236,7 +236,7 @@ def draft_chain(Q, first, seeds, pos, K):
 
 def spec_step(P, Q, one_hot, first, st, pos, n_drafts):
     """One verification step with target P and drafter Q (one-hot: drafts are Q's argmax, probs None)."""
-    N, K = len(first), int(n_drafts.max())
+    K = int(n_drafts.max())
     if one_hot:  # a deterministic drafter
         ids, prev = [], first
         for _ in range(K):

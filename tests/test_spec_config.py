@@ -13,7 +13,7 @@ from sparkspec.models.mtp import MTPDraftModel, find_mtp_stages, init_drafter_te
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
-from sparkspec.spec_decode import SpecMetrics, build_proposer
+from sparkspec.spec_decode import build_proposer
 from sparkspec.spec_decode.ngram import lookup
 
 pytestmark = pytest.mark.usefixtures("one_thread")

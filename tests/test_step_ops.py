@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 from spec_helpers import mixed_prompts, one_thread, tiny_setup  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode
 
