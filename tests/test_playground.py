@@ -9,6 +9,7 @@ import re
 import httpx
 import openai
 import pytest
+from test_server import MODEL, Server
 
 from sparkspec.checkpoint import load_checkpoint
 from sparkspec.engine.config import EngineConfig
@@ -17,7 +18,6 @@ from sparkspec.engine.sequence import TokenSource
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.serve.api import STATIC_DIR
 from sparkspec.spec_decode.proposer import HostProposer
-from test_server import MODEL, Server
 
 PROMPT = [5, 6, 7, 8, 9] * 8
 K = 3
@@ -78,11 +78,10 @@ def test_token_source_of_step():
 def test_streamed_sources_add_up_to_the_engines_counts(replay):
     engine = replay.engine
     before = engine.stats.num_accepted
-    with httpx.Client(base_url=replay.url, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body(stream=True, stream_options={"include_usage": True},
-                                                              sparkspec={"token_sources": True})) as r:
-            assert r.status_code == 200
-            chunks = sse(r)
+    request = body(stream=True, stream_options={"include_usage": True}, sparkspec={"token_sources": True})
+    with httpx.stream("POST", replay.url + "/v1/completions", json=request, timeout=60) as r:
+        assert r.status_code == 200
+        chunks = sse(r)
     choices = [c["choices"][0] for c in chunks if c["choices"]]
     assert all("sparkspec" in c for c in choices)
     sources = [s for c in choices for s in c["sparkspec"]["token_sources"]]
@@ -172,4 +171,4 @@ def test_page_reads_the_metric_names_the_server_exports(replay):
     metrics = httpx.get(replay.url + "/metrics").text
     app = (STATIC_DIR / "app.js").read_text()
     for name in ("sparkspec_spec_decode_num_drafts_total", "sparkspec_spec_decode_num_accepted_tokens_per_pos_total"):
-        assert name in app and re.search(rf"^{name}[ {{]", metrics, re.M), name
+        assert name in app and re.search(rf"^{name}[ {{]", metrics, re.MULTILINE), name
