@@ -27,7 +27,7 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("--data-dir", type=Path, default=None,
                    help="where <name>.jsonl live (default: $SPARKSPEC_EVAL_DIR, else the repository's data/eval)")
     p.add_argument("--temperature", default="0", help="0 | 1, or a comma list")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-spec-tokens", type=int, default=None, help="k (default: block size / 1 / 4)")
     p.add_argument("--baseline", action="store_true", help="also time plain decoding (tokens/s ratio)")
