@@ -89,6 +89,8 @@ def test_chat_streams_coloured_tokens_with_live_figures(page):
     assert float(page.inner_text("#tau")) > 1 and float(page.inner_text("#tps")) > 0
     assert page.locator("#chart rect").count() == 2 * K
     assert page.is_hidden("#error")
+    send(page, "And about the moon?", 2)  # the second turn sends the first exchange as history
+    assert page.locator(".msg").count() == 4 and page.is_hidden("#error")
 
 
 def test_completion_mode(page):

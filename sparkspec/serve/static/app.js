@@ -109,7 +109,7 @@ function showFigures(run) {
   const s = run.spec;
   const tau = s && s.steps ? (s.accepted + s.steps) / s.steps : 1;
   $("tau").textContent = tau.toFixed(2);
-  const secs = (performance.now() - run.start) / 1000;
+  const secs = ((run.end || performance.now()) - run.start) / 1000;
   $("tps").textContent = secs > 0 ? (run.tokens / secs).toFixed(1) : "–";
   $("ntokens").textContent = String(run.tokens);
   $("accepted").textContent = s ? `${s.accepted} / ${s.drafted}` : "0 / 0";
@@ -204,7 +204,8 @@ async function send(event) {
   const controller = new AbortController();
   state.controller = controller;
   setBusy(true);
-  const run = { start: performance.now(), tokens: 0, spec: null, text: "" };
+  const run = { start: performance.now(), end: null, tokens: 0, spec: null, text: "" };
+  let answered = false;  // the exchange is on screen: it joins the history even if cut short
   try {
     const url = mode === "chat" ? "/v1/chat/completions" : "/v1/completions";
     const response = await fetch(url, { method: "POST", headers: { "Content-Type": "application/json" },
@@ -222,11 +223,14 @@ async function send(event) {
       out.append(p);
     }
     $("prompt").value = "";
+    answered = true;
     await stream(response, out, run);
-    if (mode === "chat") state.messages.push({ role: "user", content: prompt }, { role: "assistant", content: run.text });
   } catch (e) {
     if (e.name !== "AbortError") showError(e.message);
   } finally {
+    run.end = performance.now();
+    if (mode === "chat" && answered) state.messages.push({ role: "user", content: prompt },
+                                                        { role: "assistant", content: run.text });
     state.controller = null;
     await refreshServerRates();
     showFigures(run);
