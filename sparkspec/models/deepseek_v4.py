@@ -37,15 +37,19 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), fp32_weight(self), self.eps).to(x.dtype)
 
 
-def fp32_weight(linear: nn.Module) -> torch.Tensor:
-    """`linear.weight` in fp32, cast once and kept on the module (not copied on every call; recast if the weight
-    is replaced or moved). Under autograd the live parameter is used so that gradients reach it."""
-    w = linear.weight
-    if w.dtype == torch.float32 or torch.is_grad_enabled():
-        return w.float()
-    cached = getattr(linear, "_fp32_weight", None)
-    if cached is None or cached[0] is not w or cached[1].device != w.device:
-        cached = linear._fp32_weight = (w, w.detach().float())
+def fp32_weight(*modules: nn.Module) -> torch.Tensor:
+    """The `weight` of `modules` in fp32, concatenated along the output dim when there are several: cast once and
+    kept on the first module (not copied on every call; recast if a weight is replaced, moved or modified in
+    place). Under autograd the live parameters are used so that gradients reach them."""
+    ws = tuple(m.weight for m in modules)
+    if torch.is_grad_enabled() or (len(ws) == 1 and ws[0].dtype == torch.float32):
+        return ws[0].float() if len(ws) == 1 else torch.cat([w.float() for w in ws])
+    key = tuple((w, w._version, w.device) for w in ws)  # _version: an in-place load changes the values
+    cached = getattr(modules[0], "_fp32_weight", None)
+    if cached is None or len(cached[0]) != len(key) or any(a[0] is not b[0] or a[1:] != b[1:]
+                                                          for a, b in zip(cached[0], key)):
+        fp32 = ws[0].detach().float() if len(ws) == 1 else torch.cat([w.detach().float() for w in ws])
+        cached = modules[0]._fp32_weight = (key, fp32)
     return cached[1]
 
 
@@ -109,10 +113,8 @@ class Compressor(nn.Module):
 
     def states(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position partial state: (kv [T, c·d] fp32, score + ape [T, c·d] fp32)."""
-        xf = x.float()
-        kv = F.linear(xf, self.wkv.weight.float())
-        score = F.linear(xf, self.wgate.weight.float()) + self.ape.float()[positions % self.ratio]
-        return kv, score
+        kv, score = F.linear(x.float(), fp32_weight(self.wkv, self.wgate)).chunk(2, dim=-1)  # one GEMM for both
+        return kv, score + self.ape.float()[positions % self.ratio]
 
     def emit(
         self,
