@@ -5,7 +5,9 @@ Per batch size B: B requests of `input_len` random prompt tokens are prefilled, 
 decoded; the decode steps are timed (wall clock, the device synchronised before and after). The floor of one
 step is the bytes it must read, active weights (every dense weight, the shared experts, and the routed experts
 that B tokens are expected to hit) plus the KV rows each query reads, divided by the device copy bandwidth
-measured in the same run. The ratio to it says how far the step is from memory-bound.
+measured in the same run. The ratio to it says how far the step is from memory-bound. With speculation
+(`--spec`, on a checkpoint with drafter weights) a row also gives τ and the split of a step into verifying k
+drafts and drafting the next k (`draft_share` = draft / verify).
 """
 
 from __future__ import annotations
@@ -65,10 +67,10 @@ def step_bytes(model, batch: int, context: int) -> int:
 
 
 def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str = "none", num_spec_tokens=None,
-                   drafter_tensors=None, seed: int = 0, profile: bool = False, enforce_eager: bool = False
-                   ) -> float | dict:
+                   drafter_tensors=None, seed: int = 0, profile: bool = False, enforce_eager: bool = False,
+                   out: dict | None = None) -> float | dict:
     """Decode milliseconds per step of `LLMEngine` (prefill excluded); with `profile`, the profile of a few
-    decode steps instead."""
+    decode steps instead. `out` receives tok/s and, with speculation, τ and the draft / verify split."""
     from sparkspec.engine.config import EngineConfig
     from sparkspec.engine.llm_engine import LLMEngine
     from sparkspec.sampling_params import SamplingParams
@@ -76,7 +78,7 @@ def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str
     device = next(model.parameters()).device
     cfg = EngineConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=max(batch * input_len, 64),
                        max_model_len=input_len + output_len + 16, speculative=spec, num_spec_tokens=num_spec_tokens,
-                       spec_budget="fixed", **({"enforce_eager": True} if enforce_eager else {}))  # runs on older trees too
+                       spec_budget="fixed", **({"enforce_eager": True} if enforce_eager else {}))  # older trees too
     eng = LLMEngine(model, None, cfg, drafter_tensors or {})
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
@@ -88,13 +90,37 @@ def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str
         eng.step()
     if profile:
         return profile_steps(eng, device)
+    st = eng.stats
+    tokens0, spec0, acc0 = st.num_generation_tokens, st.num_spec_steps, st.num_accepted
     sync(device)
     t0, steps = time.perf_counter(), 0
     while eng.has_unfinished():
         eng.step()
         steps += 1
     sync(device)
-    return 1000 * (time.perf_counter() - t0) / max(steps, 1)
+    seconds = time.perf_counter() - t0
+    if out is not None:
+        out["tok_s"] = (st.num_generation_tokens - tokens0) / seconds
+        if eng.spec is not None and st.num_spec_steps > spec0:
+            n = st.num_spec_steps - spec0
+            out["tau"] = (st.num_accepted - acc0 + n) / n
+            out |= step_split(eng, batch, input_len)
+    return 1000 * seconds / max(steps, 1)
+
+
+def step_split(eng, batch: int, context_len: int, repeats: int = 5) -> dict:
+    """One decode step of `batch` requests cut in two: verifying k drafts (the target forward, the rejection
+    sampler and the copy back), and drafting the next k (observe + propose), by difference. Runs on the engine's
+    pools once its requests are done."""
+    spec, runner = eng.spec, eng.runner
+    k = spec.num_spec_tokens
+    per_seq = -(-(context_len + 2 * k + 2) // runner.cache.block_size)
+    items = spec.probe_requests(runner, batch, context_len, per_seq)
+    drafts = [[2] * k for _ in items]
+    verify = spec.time_step(runner, items, drafts, 0, repeats)
+    full = spec.time_step(runner, items, drafts, k if spec.proposer.on_device else 0, repeats)
+    return {"verify_ms": 1000 * verify, "draft_ms": 1000 * max(full - verify, 0.0),
+            "draft_share": max(full - verify, 0.0) / verify}
 
 
 def profile_steps(eng, device: torch.device, num_steps: int = 8) -> dict:
@@ -227,11 +253,15 @@ def run(args) -> list[dict]:
         if args.profile:
             prof = engine_step_ms(model, b, args.input_len, 16, args.spec, args.num_spec_tokens, drafter_tensors,
                                   profile=True, enforce_eager=args.enforce_eager)
+        extra = {}
         ms = engine_step_ms(model, b, args.input_len, args.output_len, args.spec, args.num_spec_tokens,
-                            drafter_tensors, enforce_eager=args.enforce_eager)
+                            drafter_tensors, enforce_eager=args.enforce_eager, out=extra)
         floor = 1000 * step_bytes(model, b, args.input_len + args.output_len // 2) / bandwidth
-        row = {"batch": b, "ms_per_step": round(ms, 3), "tok_s": round(1000 * b / ms, 1),
+        row = {"batch": b, "ms_per_step": round(ms, 3), "tok_s": round(extra.get("tok_s", 1000 * b / ms), 1),
                "floor_ms": round(floor, 4), "x_floor": round(ms / floor, 1)}
+        if "tau" in extra:
+            row |= {"tau": round(extra["tau"], 2), "verify_ms": round(extra["verify_ms"], 3),
+                    "draft_ms": round(extra["draft_ms"], 3), "draft_share": round(extra["draft_share"], 3)}
         if args.profile:
             row |= {"kernels_per_step": prof["kernels_per_step"], "syncs_per_step": prof["syncs_per_step"],
                     "gpu_busy": prof["gpu_busy_fraction"]}
