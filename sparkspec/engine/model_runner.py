@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.step_io import Download, Upload, float_bits
@@ -250,7 +249,8 @@ class ModelRunner:
         draft_ids = dev["draft_ids"].view(S, K)
         q = None
         if K and not st.all_greedy:
-            onehot = F.one_hot(draft_ids.clamp(min=0), logits.shape[-1]).float()  # [S, K, V]
+            # q of host drafters and greedy drafts: one-hot (a scatter: F.one_hot checks its range on the host)
+            onehot = logits.new_zeros(S, K, logits.shape[-1]).scatter_(2, draft_ids.clamp(min=0).unsqueeze(2), 1.0)
             q = onehot
             if draft_probs is not None:
                 q_rows = dev["q_rows"]
