@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
