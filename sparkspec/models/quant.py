@@ -21,14 +21,29 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
-def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, name: str = "") -> torch.Tensor:
-    """w [out, in] float8_e4m3fn, scale [ceil(out/128), ceil(in/128)] -> fp32 [out, in]."""
+def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Block-scale shape of an FP8 weight [out, in]: one scale per 128x128 block, the last ones ragged.
+    Separate from the dequantisation so that a loader can check it from the file header, before reading data."""
+    out, inn = shape
+    return (out + FP8_BLOCK - 1) // FP8_BLOCK, (inn + FP8_BLOCK - 1) // FP8_BLOCK
+
+
+def fp4_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Scale shape of an FP4 weight whose unpacked shape is [out, in]: one scale per 1x32 block."""
+    out, inn = shape
+    return out, (inn + FP4_BLOCK - 1) // FP4_BLOCK
+
+
+def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, name: str = "",
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [out, in] float8_e4m3fn, scale [ceil(out/128), ceil(in/128)] -> `dtype` [out, in]. The product is
+    formed in fp32 and rounded once, so any `dtype` equals dequantising to fp32 and casting afterwards."""
     out, inn = w.shape
-    need = ((out + FP8_BLOCK - 1) // FP8_BLOCK, (inn + FP8_BLOCK - 1) // FP8_BLOCK)
+    need = fp8_scale_shape(w.shape)
     if tuple(scale.shape) != need:
         raise ValueError(f"tensor '{name}': FP8 block scale has shape {tuple(scale.shape)}, expected {need}")
     s = scale_to_float(scale).repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inn]
-    return w.float() * s
+    return s.mul_(w.float()).to(dtype)  # in place into the expanded scale: one fp32 temporary less
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -41,13 +56,15 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([vals[lo], vals[hi]], dim=-1).flatten(-2)
 
 
-def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "") -> torch.Tensor:
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "",
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """packed [out, in/2] + e8m0 scales [out, in/32] -> `dtype` [out, in] (fp32 product, rounded once)."""
     w = unpack_fp4(packed)
-    out, inn = w.shape
-    need = (out, (inn + FP4_BLOCK - 1) // FP4_BLOCK)
+    inn = w.shape[1]
+    need = fp4_scale_shape(w.shape)
     if tuple(scale.shape) != need:
         raise ValueError(f"tensor '{name}': FP4 block scale has shape {tuple(scale.shape)}, expected {need}")
-    return w * scale_to_float(scale).repeat_interleave(FP4_BLOCK, 1)[:, :inn]
+    return w.mul_(scale_to_float(scale).repeat_interleave(FP4_BLOCK, 1)[:, :inn]).to(dtype)
 
 
 def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
