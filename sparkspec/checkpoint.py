@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -18,14 +20,21 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
-from sparkspec.config import ModelConfig
-from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, DeepseekV4Model
-from sparkspec.models.weights import CheckpointError, load_state, read_tensors
+from sparkspec.config import ModelConfig, yarn_inv_freq
+from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Attention, DeepseekV4Model
+from sparkspec.models.weights import (
+    CheckpointError,
+    TensorSource,
+    assign_tensor,
+    check_tensors,
+    plan_tensors,
+    stream_tensors,
+)
 from sparkspec.platform import configure_cpu_threads, current_platform, default_dtype
 from sparkspec.tokenizer import Tokenizer, TokenizerError, stdlib_corpus, train_bpe_tokenizer
 
-__all__ = ["CheckpointError", "LoadedCheckpoint", "init_checkpoint", "load_checkpoint", "resolve_dtype",
-           "write_checkpoint"]
+__all__ = ["CheckpointError", "LoadStats", "LoadedCheckpoint", "init_checkpoint", "load_checkpoint",
+           "resolve_dtype", "write_checkpoint"]
 
 DrafterKind = Literal["dspark", "mtp", "both"]
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -53,12 +62,31 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @dataclass
+class LoadStats:
+    """What one `load_checkpoint` cost. `peak_rss_increase`: the highest resident set size of the process during
+    the load minus the resident set at its start, in bytes; it counts the host copies of the weights, transient
+    dequantisation buffers, and the pages of the memory-mapped shard being read (file-backed, but resident).
+    `peak_rss_source` says how the peak was taken: 'VmHWM' (Linux: the kernel's high-water mark, reset at the
+    start of the load through /proc/self/clear_refs, so the value is the load's own peak) or 'ru_maxrss' (the
+    process-lifetime peak: an upper bound when the process had peaked higher before the load)."""
+
+    seconds: float
+    bytes_read: int  # tensor data read from the shards, as stored (quantised sizes)
+    peak_rss_increase: int
+    peak_rss_source: str
+
+
+@dataclass
 class LoadedCheckpoint:
     model: DeepseekV4Model  # eval mode, on the requested device
     config: ModelConfig
     tokenizer: Tokenizer | None  # None when the directory has no tokenizer.json
-    drafter_tensors: dict[str, torch.Tensor]  # every `mtp.*` tensor, official names, on CPU as stored (dequantised)
+    # every `mtp.*` tensor, official names, on the CPU (owned copies): as stored, except FP8 / FP4 ones,
+    # dequantised to the load dtype (fp32 for the parameters kept in fp32). The drafter modules build on the
+    # CPU and copy from here; the host holds the drafters' (dequantised) tensors, not the whole checkpoint.
+    drafter_tensors: dict[str, torch.Tensor]
     path: Path
+    load_stats: LoadStats | None = None
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -75,7 +103,11 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
                     dtype: str | torch.dtype | None = None, progress: bool = False) -> LoadedCheckpoint:
     """Load a checkpoint directory into a target model (official or transformers tensor names; FP8/FP4 dequantised).
 
-    Parameters that the model keeps in fp32 (mHC, sinks, ape, router bias) stay fp32 whatever `dtype` is."""
+    Parameters that the model keeps in fp32 (mHC, sinks, ape, router bias, `norm` modules) stay fp32 whatever
+    `dtype` is. The model is built on the meta device and every tensor is streamed from the shards straight into
+    it (`_stream_into`): host memory holds one tensor at a time, not the checkpoint. `progress`: a byte-counting
+    bar on stderr. `load_stats` reports the time, bytes read and peak host memory."""
+    start, rss_start, peak_source = time.perf_counter(), _rss_bytes("VmRSS"), _reset_peak_rss()
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if not path.is_dir():
@@ -93,26 +125,118 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
         if tokenizer.vocab_size > cfg.vocab_size:
             raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
                                   f"vocab_size={cfg.vocab_size}")
-    tensors = read_tensors(path, progress=progress)
-    drafter_tensors = {k: tensors.pop(k) for k in sorted(tensors) if k.startswith("mtp.")}
-    if cfg.tie_word_embeddings and "head.weight" not in tensors and "embed.weight" in tensors:
-        tensors["head.weight"] = tensors["embed.weight"]
-    _check_tid2eid(cfg, tensors, path)
-    with torch.device(device):
-        model = DeepseekV4Model(cfg)
-    for p in model.parameters():  # parameters only: buffers (RoPE frequencies) stay fp32
-        p.data = p.data.to(dtype)
-    model.keep_fp32()  # before copying, so fp32 checkpoint values keep their precision
-    load_state(model, tensors, source=str(path))
+    plan = plan_tensors(path)  # headers only: names, dtypes and shapes are checked before any data is read
+    if cfg.tie_word_embeddings and "head.weight" not in plan and "embed.weight" in plan:
+        plan["head.weight"] = plan["embed.weight"]
+    model = meta_model(cfg, dtype)
+    targets = dict(model.named_parameters())
+    targets.update((n, b) for n, b in model.named_buffers() if not n.endswith("inv_freq"))
+    check_tensors({n: tuple(t.shape) for n, t in targets.items()},
+                  {n: src.shape for n, src in plan.items()}, str(path))
+    drafter_tensors = _stream_into(model, targets, plan, device, dtype, path, progress)
+    _materialise_rotary(model, cfg, device)
+    _check_materialised(model)
     model.eval()
-    return LoadedCheckpoint(model, cfg, tokenizer, drafter_tensors, path)
+    peak = _rss_bytes("VmHWM") if peak_source == "VmHWM" else _maxrss_bytes()
+    stats = LoadStats(time.perf_counter() - start, sum(src.nbytes for src in plan.values()),
+                      max(peak - rss_start, 0), peak_source)
+    return LoadedCheckpoint(model, cfg, tokenizer, drafter_tensors, path, stats)
 
 
-def _check_tid2eid(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    for name, t in tensors.items():
-        if name.endswith("tid2eid") and t.numel() and not (0 <= int(t.min()) and int(t.max()) < cfg.n_routed_experts):
-            raise CheckpointError(f"{path}: tensor '{name}' holds expert ids in [{int(t.min())}, {int(t.max())}], "
-                                  f"expected [0, {cfg.n_routed_experts})")
+def meta_model(cfg: ModelConfig, dtype: torch.dtype) -> DeepseekV4Model:
+    """The target model on the meta device (no memory, no init work), each parameter already in the dtype it
+    will be loaded in: `dtype`, or fp32 where `keep_fp32` keeps it (the model's own rule, not a copy of it)."""
+    with torch.device("meta"):
+        model = DeepseekV4Model(cfg)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model.keep_fp32()
+
+
+def _stream_into(model: DeepseekV4Model, targets: dict[str, torch.Tensor], plan: dict[str, TensorSource],
+                 device: torch.device, dtype: torch.dtype, path: Path, progress: bool) -> dict[str, torch.Tensor]:
+    """Read every tensor once, in file order: the target's go onto `device` in their parameter's dtype and
+    replace the meta tensors; the `mtp.*` ones stay on the CPU and are returned (plain ones as stored, which is
+    what the drafters copy from; quantised ones dequantised to `dtype`, the dtype the drafters are placed in)."""
+    cpu = torch.device("cpu")
+
+    def place(name: str) -> tuple[torch.device, torch.dtype | None]:
+        if name in targets:
+            return device, targets[name].dtype
+        if plan[name].quant is None:
+            return cpu, None
+        return cpu, torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
+
+    drafter: dict[str, torch.Tensor] = {}
+    for name, t in stream_tensors(plan, place, progress=progress):
+        if name in targets:
+            if name.endswith("tid2eid"):
+                _check_tid2eid(model.cfg, name, t, path)
+            assign_tensor(model, name, t)
+        else:  # only `mtp.*` gets here: check_tensors refused anything else
+            drafter[name] = t
+    return dict(sorted(drafter.items()))
+
+
+def _check_tid2eid(cfg: ModelConfig, name: str, t: torch.Tensor, path: Path) -> None:
+    if t.numel() and not (0 <= int(t.min()) and int(t.max()) < cfg.n_routed_experts):
+        raise CheckpointError(f"{path}: tensor '{name}' holds expert ids in [{int(t.min())}, {int(t.max())}], "
+                              f"expected [0, {cfg.n_routed_experts})")
+
+
+def _materialise_rotary(model: DeepseekV4Model, cfg: ModelConfig, device: torch.device) -> None:
+    """RoPE frequencies are not in the checkpoint: on the meta device `__init__` computed nothing, so compute
+    them again, as `Attention.__init__` does, on the real device. Both the fp32 buffer and the fp32 master copy
+    (`inv_freq_fp32`, a plain attribute `keep_fp32` restores from) are set."""
+    for attn in model.modules():
+        if isinstance(attn, Attention):
+            compressed = attn.ratio > 1
+            theta = cfg.compress_rope_theta if compressed else cfg.rope_theta
+            inv = yarn_inv_freq(cfg.qk_rope_head_dim, theta, cfg.yarn if compressed else None).to(device)
+            rotary = attn.rotary
+            if tuple(inv.shape) != tuple(rotary.inv_freq.shape):
+                raise AssertionError(f"layer {attn.layer_id}: RoPE frequencies {tuple(inv.shape)}, model has "
+                                     f"{tuple(rotary.inv_freq.shape)}")
+            rotary.inv_freq_fp32 = inv.float().clone()
+            rotary.inv_freq = inv.float()
+
+
+def _check_materialised(model: DeepseekV4Model) -> None:
+    """No meta tensor may survive the load (a buffer or tensor attribute added to the model later that the
+    loader does not know how to compute would otherwise fail only at the first forward, obscurely)."""
+    for mod_name, module in model.named_modules():
+        for attr, value in [*module._parameters.items(), *module._buffers.items(), *vars(module).items()]:
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise AssertionError(f"'{mod_name}.{attr}' is still on the meta device after loading: "
+                                     "load_checkpoint does not know how to materialise it")
+
+
+def _reset_peak_rss() -> str:
+    """Reset the kernel's resident-set high-water mark (Linux); 'VmHWM' when that worked, else 'ru_maxrss'."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return "VmHWM" if _rss_bytes("VmHWM") else "ru_maxrss"
+    except OSError:
+        return "ru_maxrss"
+
+
+def _rss_bytes(field: str) -> int:
+    """`field` (VmRSS, VmHWM) of /proc/self/status in bytes; 0 where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _maxrss_bytes() -> int:
+    """Process-lifetime peak resident set (kilobytes on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == "Darwin" else peak * 1024
 
 
 # ---------------------------------------------------------------- writing

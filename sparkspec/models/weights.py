@@ -6,18 +6,24 @@ Accepted tensor names:
 * what transformers' `save_pretrained` writes (`model.` prefix, `model.embed_tokens.weight`,
   `model.hc_head.hc_fn`, `attn.norm.weight` for the KV norm), and transformers' module names
   (`self_attn.q_a_proj`, `mlp.experts.gate_up_proj`, `lm_head.weight`, ...), through `TRANSFORMERS_RENAMES`.
+
+Reading is planned from the shards' headers first (`plan_tensors`: names, dtypes, shapes, scale pairing; every
+check that needs no tensor data fails here, before a byte of weights is read), then streamed one tensor at a
+time (`stream_tensors`), so a loader never holds more than one tensor of the file in host memory.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from sparkspec.models.quant import dequant_fp4, dequant_fp8_block
+from sparkspec.models.quant import dequant_fp4, dequant_fp8_block, fp4_scale_shape, fp8_scale_shape
 
 # (pattern, replacement) applied in order to names that are not official yet
 TRANSFORMERS_RENAMES: list[tuple[str, str]] = [
@@ -81,9 +87,74 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+# safetensors header dtype -> torch dtype (names torch lacks stay strings: they are reported, never loaded)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", "F8_E8M0"),
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP4_PACKED_DTYPES = (torch.int8, torch.uint8)  # FP4 when a '.scale' goes with it
+PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
+# what safetensors raises on a corrupt or truncated file (its own error for headers, others for data)
+READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError)
+FUSED_EXPERTS = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one tensor (official name) is stored: a whole stored tensor, or one expert's part of transformers'
+    fused expert tensors; with its block scale when quantised. Known from the header alone."""
+
+    file: Path
+    key: str  # name inside the file
+    dtype: torch.dtype | str  # as stored
+    stored_shape: tuple[int, ...]
+    expert: int | None = None  # row of a fused [E, ...] tensor
+    half: int | None = None  # gate_up_proj rows: 0 = w1 (gate), 1 = w3 (up)
+    scale: TensorSource | None = None
+
+    @property
+    def quant(self) -> str | None:
+        if self.dtype in FP8_DTYPES:
+            return "fp8"
+        return "fp4" if self.dtype in FP4_PACKED_DTYPES and self.scale is not None else None
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of what is read from the file (one expert's row of a fused tensor)."""
+        return self.stored_shape[1:] if self.expert is not None else self.stored_shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the tensor the model receives: a half of a gate_up row, FP4 unpacked to two values a byte."""
+        shape = list(self.row_shape)
+        if self.half is not None:  # torch.chunk(2): the first half gets the odd row
+            first = (shape[0] + 1) // 2
+            shape[0] = first if self.half == 0 else shape[0] - first
+        if self.quant == "fp4":
+            shape[-1] *= 2
+        return tuple(shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of stored data this tensor reads (its scale included)."""
+        size = getattr(self.dtype, "itemsize", 0) * _numel(self.row_shape)
+        size = size // 2 if self.half is not None else size
+        return size + (self.scale.nbytes if self.scale is not None else 0)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _split_fused_experts(name: str, t: torch.Tensor, out: dict[str, torch.Tensor]) -> bool:
     """transformers' module layout stacks experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
-    m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$", name)
+    m = FUSED_EXPERTS.match(name)
     if not m:
         return False
     for e in range(t.shape[0]):
@@ -95,42 +166,185 @@ def _split_fused_experts(name: str, t: torch.Tensor, out: dict[str, torch.Tensor
     return True
 
 
-def read_tensors(path: Path, progress: bool = False) -> dict[str, torch.Tensor]:
-    """All tensors under official names, dequantised to fp32 where the checkpoint is FP8/FP4."""
-    raw: dict[str, torch.Tensor] = {}
-    files = checkpoint_files(path)
-    iterator = files
-    if progress and len(files) > 1:
-        from tqdm import tqdm
-
-        iterator = tqdm(files, desc="loading shards", unit="file")
-    for f in iterator:
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    raw[k] = sf.get_tensor(k)
-        except Exception as e:  # safetensors raises several types for corrupt files
-            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
-    named: dict[str, torch.Tensor] = {}
-    for k, t in raw.items():
-        name = official_name(k)
-        if not _split_fused_experts(name, t, named):
-            named[name] = t
-    out: dict[str, torch.Tensor] = {}
-    for name, t in named.items():
-        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in named:
-            continue  # consumed with its weight
-        scale = named.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            if scale is None:
-                raise CheckpointError(f"tensor '{name}': FP8 weight without a '.scale' / 'weight_scale_inv'")
-            t = dequant_fp8_block(t, scale, name)
-        elif t.dtype in (torch.int8, torch.uint8) and scale is not None:
-            t = dequant_fp4(t, scale, name)
-        elif t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32):
-            raise CheckpointError(f"tensor '{name}': unsupported dtype {t.dtype}")
-        out[name] = t
+def _split_fused_source(name: str, src: TensorSource) -> dict[str, TensorSource]:
+    """`_split_fused_experts` on a header entry: one source per expert part, read later row by row."""
+    m = FUSED_EXPERTS.match(name)
+    if not m:
+        return {name: src}
+    if len(src.stored_shape) != 3:
+        raise CheckpointError(f"{src.file}: fused experts '{src.key}' have shape {src.stored_shape}, "
+                              "expected [experts, out, in]")
+    out = {}
+    for e in range(src.stored_shape[0]):
+        if m.group(2) == "gate_up_proj":
+            out[f"{m.group(1)}.{e}.w1.weight"] = replace(src, expert=e, half=0)
+            out[f"{m.group(1)}.{e}.w3.weight"] = replace(src, expert=e, half=1)
+        else:
+            out[f"{m.group(1)}.{e}.w2.weight"] = replace(src, expert=e)
     return out
+
+
+def _open(f: Path):
+    try:
+        return safe_open(str(f), framework="pt")
+    except READ_ERRORS as e:
+        raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+
+
+def _header(f: Path) -> list[TensorSource]:
+    with _open(f) as sf:
+        try:
+            slices = [(k, sf.get_slice(k)) for k in sf.keys()]  # noqa: SIM118 (not a dict)
+        except READ_ERRORS as e:
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+        return [TensorSource(f, k, SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype()), tuple(s.get_shape()))
+                for k, s in slices]
+
+
+def plan_tensors(path: Path) -> dict[str, TensorSource]:
+    """Official name -> source of every tensor of the checkpoint, from the headers only. A `.scale` (or
+    `weight_scale_inv`) next to a `.weight` is attached to it; FP8 without a scale, dtypes the loader cannot
+    take and scales of the wrong shape are errors here, so they cost no reading."""
+    raw: dict[str, TensorSource] = {}
+    for f in checkpoint_files(path):
+        for src in _header(f):
+            raw.update(_split_fused_source(official_name(src.key), src))
+    out = {}
+    for name, src in raw.items():
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in raw:
+            continue  # consumed with its weight
+        scale = raw.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
+        out[name] = _checked(name, replace(src, scale=scale) if scale is not None else src)
+    return out
+
+
+def _checked(name: str, src: TensorSource) -> TensorSource:
+    """The checks `read_tensors` made on data, made on the header: dtype, FP8 scale present, scale shapes."""
+    if src.dtype in FP8_DTYPES and src.scale is None:
+        raise CheckpointError(f"tensor '{name}': FP8 weight without a '.scale' / 'weight_scale_inv'")
+    if src.quant is None and src.dtype not in PLAIN_DTYPES:
+        raise CheckpointError(f"tensor '{name}': unsupported dtype {src.dtype}")
+    if src.quant is not None:
+        if len(src.row_shape) != 2:
+            raise CheckpointError(f"tensor '{name}': {src.quant.upper()} weight has shape {src.row_shape}, "
+                                  "expected [out, in]")
+        need = fp8_scale_shape(src.row_shape) if src.quant == "fp8" else fp4_scale_shape(src.shape)
+        if src.scale.stored_shape != need:
+            raise CheckpointError(f"tensor '{name}': {src.quant.upper()} block scale has shape "
+                                  f"{src.scale.stored_shape}, expected {need}")
+    return src
+
+
+# ---------------------------------------------------------------- streaming
+
+
+Placement = Callable[[str], tuple[torch.device, torch.dtype | None]]  # name -> (device, dtype; None = as stored)
+
+
+def stream_tensors(plan: dict[str, TensorSource], place: Placement,
+                   progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every entry of `plan`, shard by shard, each tensor an owned copy on its
+    `place(name)` device and dtype (FP8 / FP4 dequantised there; None: fp32 when quantised, else as stored).
+    Only one shard is open at a time: the pages of an open shard that were read count in the resident set
+    until it closes (the shards are memory-mapped), so a shard is closed as soon as its tensors are out."""
+    from tqdm import tqdm
+
+    by_file: dict[Path, list[str]] = {}
+    for name, src in plan.items():
+        by_file.setdefault(src.file, []).append(name)
+    total = sum(src.nbytes for src in plan.values())
+    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress) as bar:
+        for f in sorted(by_file):
+            for name, t in _stream_file(f, by_file[f], plan, place):
+                bar.update(plan[name].nbytes)
+                yield name, t
+
+
+def _stream_file(f: Path, names: list[str], plan: dict[str, TensorSource],
+                 place: Placement) -> Iterator[tuple[str, torch.Tensor]]:
+    with _open(f) as sf:
+        row: tuple[tuple, torch.Tensor] | None = None  # the last fused row read: w1 and w3 share it
+        for name in names:
+            src = plan[name]
+            if src.expert is not None and (row is None or row[0] != (src.key, src.expert)):
+                row = ((src.key, src.expert), _read(sf, f, src.key, src.expert))
+            raw = row[1] if src.expert is not None else _read(sf, f, src.key)
+            if src.half is not None:
+                raw = raw.chunk(2, dim=0)[src.half]
+            scale = None if src.scale is None else _read_scale(sf, f, src.scale)
+            device, dtype = place(name)
+            yield name, materialise(name, src, raw, scale, device, dtype)
+
+
+def _read(sf, f: Path, key: str, expert: int | None = None) -> torch.Tensor:
+    """One stored tensor (or one row of it). The result maps the file: copy before keeping it."""
+    try:
+        return sf.get_tensor(key) if expert is None else sf.get_slice(key)[expert]
+    except READ_ERRORS as e:
+        raise CheckpointError(f"{f}: cannot read tensor '{key}' ({e})") from None
+
+
+def _read_scale(sf, f: Path, scale: TensorSource) -> torch.Tensor:
+    """Scales are small; one stored in another shard is read through a short-lived handle of its own."""
+    if scale.file == f:
+        return _read(sf, f, scale.key)
+    with _open(scale.file) as other:
+        return _read(other, scale.file, scale.key).clone()
+
+
+def materialise(name: str, src: TensorSource, raw: torch.Tensor, scale: torch.Tensor | None,
+                device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    """An owned tensor on `device` in `dtype`. Quantised data crosses to the device as stored (1 byte or half
+    a byte a value) and is dequantised there, straight to `dtype`; plain data is cast on the device too."""
+    if src.quant is not None:
+        w, s, dtype = raw.to(device), scale.to(device), dtype or torch.float32
+        return dequant_fp8_block(w, s, name, dtype) if src.quant == "fp8" else dequant_fp4(w, s, name, dtype)
+    dtype = dtype or raw.dtype
+    if device.type == "cpu":
+        return raw.to(dtype=dtype, copy=True)  # copy: `raw` maps the file
+    return raw.to(device).to(dtype)
+
+
+def read_tensors(path: Path, progress: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors under official names on the CPU, dequantised to fp32 where the checkpoint is FP8/FP4 (the
+    whole checkpoint in memory: for tests and tools; `load_checkpoint` streams instead)."""
+    cpu = torch.device("cpu")
+    return dict(stream_tensors(plan_tensors(path), lambda name: (cpu, None), progress=progress))
+
+
+# ---------------------------------------------------------------- installing
+
+
+def check_tensors(expected: dict[str, tuple[int, ...]], have: dict[str, tuple[int, ...]], source: str,
+                  prefix: str = "", allow_extra: tuple[str, ...] = ("mtp.",)) -> None:
+    """Names and shapes of a checkpoint against a model: `expected` (model names -> shape) against `have`
+    (names relative to `prefix` -> shape). One function for `load_state` and the streaming loader, so both
+    word a missing, unexpected or misshapen tensor the same way."""
+    missing = sorted(set(expected) - set(have))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{source}: missing tensor '{prefix}{missing[0]}'{more}")
+    extra = sorted(n for n in set(have) - set(expected) if not (prefix + n).startswith(allow_extra))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(f"{source}: unexpected tensor '{prefix}{extra[0]}'{more}")
+    for n in sorted(expected):
+        if tuple(have[n]) != tuple(expected[n]):
+            raise CheckpointError(f"{source}: tensor '{prefix}{n}' has shape {tuple(have[n])}, "
+                                  f"expected {tuple(expected[n])}")
+
+
+def assign_tensor(model: torch.nn.Module, name: str, t: torch.Tensor) -> None:
+    """Install `t` as parameter or buffer `name` of `model` in place of what is there (a meta tensor when the
+    model was built on the meta device): no copy, so the model never holds a second set of weights."""
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if attr in module._parameters:
+        module._parameters[attr] = torch.nn.Parameter(t, requires_grad=module._parameters[attr].requires_grad)
+    elif attr in module._buffers:
+        module._buffers[attr] = t
+    else:
+        raise KeyError(f"'{name}' is neither a parameter nor a buffer of {type(model).__name__}")
 
 
 def load_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str = "",
@@ -138,20 +352,10 @@ def load_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix:
     """Copy `tensors` into `model` (names relative to `prefix`); every parameter must be present with its shape."""
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    expected = {n for n in params if not n.endswith("inv_freq")}
-    have = {n[len(prefix):] for n in tensors if n.startswith(prefix)}
-    missing = sorted(expected - have)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{source}: missing tensor '{prefix}{missing[0]}'{more}")
-    extra = sorted(n for n in have - expected if not (prefix + n).startswith(allow_extra))
-    if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise CheckpointError(f"{source}: unexpected tensor '{prefix}{extra[0]}'{more}")
+    expected = {n: tuple(p.shape) for n, p in params.items() if not n.endswith("inv_freq")}
+    have = {n[len(prefix):]: tuple(t.shape) for n, t in tensors.items() if n.startswith(prefix)}
+    check_tensors(expected, have, source, prefix, allow_extra)
     with torch.no_grad():
         for n in expected:
-            t, p = tensors[prefix + n], params[n]
-            if tuple(t.shape) != tuple(p.shape):
-                raise CheckpointError(f"{source}: tensor '{prefix}{n}' has shape {tuple(t.shape)}, "
-                                      f"expected {tuple(p.shape)}")
-            p.copy_(t.to(p.dtype))
+            p = params[n]
+            p.copy_(tensors[prefix + n].to(p.dtype))
