@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkspec.config import CSA, ModelConfig, yarn_inv_freq
+from sparkspec.distributed import ParallelGroup, all_gather_last, all_reduce
 from sparkspec.models.cache import entries_per_block
 from sparkspec.models.forward_batch import Emission, ForwardBatch
 from sparkspec.ops import ops
@@ -44,13 +45,20 @@ def fp32_weight(*modules: nn.Module) -> torch.Tensor:
     ws = tuple(m.weight for m in modules)
     if torch.is_grad_enabled() or (len(ws) == 1 and ws[0].dtype == torch.float32):
         return ws[0].float() if len(ws) == 1 else torch.cat([w.float() for w in ws])
-    key = tuple((w, w._version, w.device) for w in ws)  # _version: an in-place load changes the values
+    # _version: an in-place load changes the values (inference tensors keep no version counter)
+    key = tuple((w, 0 if w.is_inference() else w._version, w.device) for w in ws)
     cached = getattr(modules[0], "_fp32_weight", None)
     if cached is None or len(cached[0]) != len(key) or any(a[0] is not b[0] or a[1:] != b[1:]
                                                           for a, b in zip(cached[0], key)):
         fp32 = ws[0].detach().float() if len(ws) == 1 else torch.cat([w.detach().float() for w in ws])
         cached = modules[0]._fp32_weight = (key, fp32)
     return cached[1]
+
+
+def head_logits(head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+    """h [T, H] fp32 (normed) -> logits [T, V] fp32 with the LM head; a vocab-parallel head (`head.tp`, see
+    `sparkspec.distributed.tensor_parallel`) holds V / world rows and gathers the ranks' logits."""
+    return all_gather_last(F.linear(h, fp32_weight(head)), getattr(head, "tp", None))
 
 
 def rms_noweight(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,6 +172,7 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        self.tp: ParallelGroup | None = None  # set by `distributed.tensor_parallel.shard_`
         compressed = self.ratio > 1
         theta = cfg.compress_rope_theta if compressed else cfg.rope_theta
         inv = yarn_inv_freq(cfg.qk_rope_head_dim, theta, cfg.yarn if compressed else None)
@@ -188,11 +197,11 @@ class Attention(nn.Module):
     def project_out(self, o: torch.Tensor, positions: torch.Tensor, rot_inv: torch.Tensor | None = None
                     ) -> torch.Tensor:
         """o [T, h, D] -> inverse RoPE -> grouped wo_a -> wo_b -> [T, H]."""
-        T, g = o.shape[0], self.cfg.o_groups
+        T, g = o.shape[0], self.wo_a.weight.shape[0] // self.cfg.o_lora_rank  # this rank's groups (all: 1 rank)
         o = self.rotary.apply(o, positions, inverse=True, rot=rot_inv).reshape(T, g, -1)  # [T, g, h·D/g]
         w = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)  # [g, o_lora, h·D/g]
         z = torch.einsum("tgi,goi->tgo", o, w).reshape(T, -1)
-        return self.wo_b(z)
+        return all_reduce(self.wo_b(z), self.tp)  # tensor parallel: each rank holds some heads' share
 
     # -- target forward over a flat batch --
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -284,6 +293,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.moe_intermediate_size)
                                      for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.tp: ParallelGroup | None = None  # set by `distributed.tensor_parallel.shard_`
+        self.experts_held: tuple[int, int] | None = None  # expert parallel: (first expert id, count) held here
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -291,11 +302,16 @@ class MoE(nn.Module):
         hash_ids = self.gate.tid2eid[input_ids] if self.is_hash else None
         weights, ids = ops.moe_route(logits, self.gate.bias, hash_ids, cfg.num_experts_per_tok, cfg.scoring_func,
                                      cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        if self.experts_held is not None:  # expert parallel: this rank computes only the experts it holds
+            first, num = self.experts_held
+            local = ids - first
+            held = (local >= 0) & (local < num)
+            ids, weights = local.clamp(0, num - 1), weights * held
         w13, w2 = expert_weights(self)  # stacked once (views share the parameters' storage)
         routed = ops.moe_experts(x, w13, w2, weights, ids, cfg.swiglu_limit)
         se = self.shared_experts
         shared = se.w2(swiglu(se.w1(x), se.w3(x), cfg.swiglu_limit))
-        return routed + shared
+        return all_reduce(routed + shared, self.tp)  # tensor parallel: each rank holds a slice of every expert
 
 
 class Block(nn.Module):
@@ -358,7 +374,7 @@ class DeepseekV4Model(nn.Module):
     # -- drafter interface --
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] (pre-norm hc_head output) -> logits [T, V] fp32 with the shared norm and head."""
-        return F.linear(self.norm(h).float(), fp32_weight(self.head))
+        return head_logits(self.head, self.norm(h).float())
 
     def collapse(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkspec.config import ModelConfig
-from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Block, RMSNorm, fp32_weight
+from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Block, RMSNorm, head_logits
 from sparkspec.models.random_init import random_tensors
 from sparkspec.models.weights import CheckpointError, load_state
 from sparkspec.ops import ops
@@ -197,7 +197,7 @@ class DSparkDraftModel(nn.Module):
             x = stage(x, positions, ids, lambda h, s=stage, kv=kv: s.block_attention(h, positions, kv, indices))
         last = self.last
         hidden = ops.hc_head(x, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
-        base = F.linear(last.norm(hidden).float(), fp32_weight(head)).view(B, k, -1)  # [B, k, V]
+        base = head_logits(head, last.norm(hidden).float()).view(B, k, -1)  # [B, k, V]
         hidden = hidden.view(B, k, -1)
         out = DSparkBlockOutput(hidden=hidden, base_logits=base)
         if prev_ids is not None:

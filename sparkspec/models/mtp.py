@@ -34,11 +34,10 @@ import re
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparkspec.config import ModelConfig
-from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Attention, Block, RMSNorm, fp32_weight
+from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Attention, Block, RMSNorm, head_logits
 from sparkspec.models.random_init import random_tensors
 from sparkspec.models.weights import CheckpointError, load_state
 from sparkspec.ops import ops
@@ -110,7 +109,7 @@ class MTPDraftModel(nn.Module):
         x = streams.view(streams.shape[0], cfg.hc_mult, cfg.hidden_size)
         h = ops.hc_head(x, layer.hc_head_fn, layer.hc_head_scale, layer.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps)
         norm = layer.norm if layer.norm is not None else target_norm
-        return F.linear(norm(h).float(), fp32_weight(head))
+        return head_logits(head, norm(h).float())
 
     # ---- construction ----
     @classmethod
