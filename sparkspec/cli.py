@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed: always draft k tokens; adaptive: the engine's measured verification budget")
     g.add_argument("--device", default=None)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many processes (one per GPU, or gloo on CPU)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: whole routed experts per process instead of expert slices")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
 
@@ -147,7 +151,15 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     items = read_prompt_items(args)
-    ckpt = load_checkpoint(args.model, device=torch.device(args.device) if args.device else None, progress=True)
+    if args.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected a positive integer")
+    tp = args.tensor_parallel_size
+    device = torch.device(args.device) if args.device else None
+    if tp > 1:
+        from sparkspec.distributed.engine import rank_device
+
+        device = rank_device(0, args.device)
+    ckpt = load_checkpoint(args.model, device=device, progress=True)
     prompts = encode_prompts(items, ckpt.tokenizer, args.model)
     max_pos = ckpt.config.max_position_embeddings
     for i, (_, ids) in enumerate(prompts):
@@ -155,14 +167,26 @@ def cmd_generate(args) -> int:
             raise UserError(f"prompt {i}: {len(ids)} tokens exceeds max_position_embeddings={max_pos}")
     # size the engine for this batch: every prompt runs at once, the KV cache holds exactly what they need
     max_len = min(max(len(ids) for _, ids in prompts) + args.max_tokens, max_pos)
+    llm_kwargs = dict(speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
+                      spec_budget=args.spec_budget, max_num_seqs=min(len(prompts), 64), max_model_len=max(max_len, 2),
+                      enforce_eager=args.enforce_eager, expert_parallel=args.enable_expert_parallel)
+    pg = None
+    if tp > 1:  # ranks 1.. load and shard the same checkpoint in their own processes and follow rank 0
+        from sparkspec.distributed.engine import launch
+        from sparkspec.engine.llm import run_rank
+
+        pg = launch(tp, run_rank, (str(args.model), args.device, None, llm_kwargs), device)
     try:
-        llm = LLM(ckpt, speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
-                  spec_budget=args.spec_budget, max_num_seqs=min(len(prompts), 64), max_model_len=max(max_len, 2),
-                  enforce_eager=args.enforce_eager)
+        llm = LLM(ckpt, parallel=pg, **llm_kwargs)
         t0 = time.perf_counter()
         outs = llm.generate([ids for _, ids in prompts], params)
     except ValueError as e:
         raise UserError(str(e).splitlines()[0]) from None
+    finally:
+        if pg is not None:
+            from sparkspec.distributed.engine import finish
+
+            finish(llm.engine)
     total = time.perf_counter() - t0
     spec = [SpecMetrics.from_request(llm.method, llm.num_spec_tokens, o.metrics) for o in outs]
     for i, ((text, ids), out) in enumerate(zip(prompts, outs)):

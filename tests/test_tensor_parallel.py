@@ -78,3 +78,20 @@ def test_two_ranks_equal_one(tmp_path, expert_parallel):
 def test_a_failing_rank_is_an_error_not_a_hang(tmp_path):
     with pytest.raises(Exception, match="rank 1 failed on purpose"):
         mp.spawn(worker, args=(2, free_port(), str(tmp_path), 1), nprocs=2)
+
+
+@pytest.mark.parametrize("extra", [["--tensor-parallel-size", "2"],
+                                   ["--tensor-parallel-size", "2", "--enable-expert-parallel"]], ids=["tp2", "ep2"])
+def test_generate_with_two_processes_equals_one(tiny_checkpoint_with_drafters, extra, capsys):
+    """`sparkspec generate --tensor-parallel-size 2`: ranks 1.. in their own processes, the same tokens."""
+    import json
+
+    from sparkspec.cli import main
+
+    def run(more):
+        args = ["generate", "--model", str(tiny_checkpoint_with_drafters), "--prompt", "hello there",
+                "--prompt", "a b c", "--max-tokens", "12", "--spec", "dspark", "--device", "cpu", "--json", *more]
+        assert main(args) == 0
+        return [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+
+    assert run(extra) == run([])

@@ -29,10 +29,13 @@ def default_spec_method(checkpoint) -> str:
 
 class LLM:
     def __init__(self, model, speculative: str = "none", num_spec_tokens: int | None = None,
-                 spec_budget: str = "adaptive", device: str | None = None, dtype: str | None = None, **engine_kw):
+                 spec_budget: str = "adaptive", device: str | None = None, dtype: str | None = None,
+                 parallel=None, expert_parallel: bool = False, **engine_kw):
         """`model`: a checkpoint directory, or a `LoadedCheckpoint` already in memory (several engines can then
-        share one model); `speculative`: none | dspark | mtp | ngram | auto; other keywords go to
-        `EngineConfig` (max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_memory, block_size, ...)."""
+        share one model); `speculative`: none | dspark | mtp | ngram | auto; `parallel`: this process's
+        `distributed.ParallelGroup` when the model is sharded over several (see `distributed/engine.py`);
+        other keywords go to `EngineConfig` (max_num_seqs, max_num_batched_tokens, max_model_len,
+        kv_cache_memory, block_size, ...)."""
         if isinstance(model, (str, Path)):
             from sparkspec.checkpoint import load_checkpoint
 
@@ -42,7 +45,15 @@ class LLM:
         engine_kw.setdefault("max_waiting", 1 << 20)
         config = EngineConfig(speculative=self.method, num_spec_tokens=num_spec_tokens, spec_budget=spec_budget,
                               **engine_kw)
-        self.engine = LLMEngine(model.model, model.tokenizer, config, model.drafter_tensors)
+        engine_cls, extra = LLMEngine, {}
+        if parallel is not None and parallel.world_size > 1:
+            from sparkspec.distributed.engine import DistributedLLMEngine
+            from sparkspec.distributed.tensor_parallel import shard_
+
+            shard_(model.model, parallel, expert_parallel)
+            if parallel.rank == 0:
+                engine_cls, extra = DistributedLLMEngine, {"pg": parallel}
+        self.engine = engine_cls(model.model, model.tokenizer, config, model.drafter_tensors, **extra)
 
     @property
     def tokenizer(self):
@@ -66,3 +77,12 @@ class LLM:
             raise ValueError("this checkpoint has no tokenizer")
         ids = tok.encode(tok.apply_chat_template(messages))
         return self.engine.generate([ids], sampling_params or SamplingParams())[0]
+
+
+def run_rank(pg, model_path: str, device: str | None, dtype: str | None, llm_kwargs: dict) -> None:
+    """Ranks 1.. of a tensor-parallel run: load, shard, build the same engine as rank 0, then follow it."""
+    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.distributed.engine import rank_device, worker_loop
+
+    ckpt = load_checkpoint(model_path, device=rank_device(pg.rank, device), dtype=dtype)
+    worker_loop(LLM(ckpt, parallel=pg, **llm_kwargs).engine, pg)

@@ -1,0 +1,135 @@
+"""One model served by several processes (tensor / expert parallel): rank 0 schedules, every rank steps.
+
+Every rank holds a shard of the model and its own engine. The engine is deterministic given its inputs (requests
+in order, their seeds, aborts), so rank 0 sends only those inputs: once per step, one broadcast of the control
+messages gathered since the last step (`DistributedLLMEngine`); the other ranks replay them and take the same
+step (`worker_loop`), so every collective inside the sharded model meets its partners. Sampling is replicated:
+the logits are gathered on every rank and the same seeds give the same tokens.
+
+    pg = launch(2, worker, (...))          # ranks 1.. run `worker`, which ends in `worker_loop(engine, pg)`
+    engine = DistributedLLMEngine(..., pg=pg)   # rank 0, in this process
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sparkspec.distributed import ParallelGroup
+from sparkspec.engine.llm_engine import LLMEngine
+
+TIMEOUT = timedelta(minutes=10)  # a collective that waits longer than this is an error, not a hang
+_workers: list = []  # the processes `launch` started (joined by `finish`)
+_finished = threading.Event()
+
+
+class DistributedLLMEngine(LLMEngine):
+    """Rank 0's engine: what it admits and aborts is replayed on the other ranks before each step."""
+
+    def __init__(self, *args, pg: ParallelGroup, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pg = pg
+        self._messages: list[tuple] = []
+
+    def add_request(self, prompt, params=None, request_id=None):
+        seq = super().add_request(prompt, params, request_id)
+        # the seed rank 0 drew travels with the request: every rank samples the same tokens
+        self._messages.append(("add", seq.prompt_ids, dataclasses.replace(seq.params, seed=seq.seed),
+                               seq.request_id))
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        found = super().abort_request(request_id)
+        if found:
+            self._messages.append(("abort", request_id))
+        return found
+
+    def step(self):
+        self._send(self._messages)
+        self._messages = []
+        return super().step()
+
+    def shutdown(self) -> None:
+        """Ends the other ranks' loops (they return from `worker_loop`)."""
+        self._send([("stop",)])
+
+    def _send(self, messages: list[tuple]) -> None:
+        dist.broadcast_object_list([messages], src=0, group=self.pg.group)
+
+
+def worker_loop(engine: LLMEngine, pg: ParallelGroup) -> None:
+    """Ranks 1..: replay rank 0's requests and take the same steps until it stops."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=pg.group)
+        for message in box[0]:
+            if message[0] == "stop":
+                return
+            if message[0] == "add":
+                engine.add_request(*message[1:])
+            else:
+                engine.abort_request(message[1])
+        engine.step()
+
+
+def rank_device(rank: int, device: str | None) -> torch.device:
+    """cuda:rank (or the XPU) on accelerators, the CPU otherwise or when asked."""
+    if device == "cpu" or (device is None and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    kind = torch.device(device).type if device else "cuda"
+    return torch.device(kind, rank)
+
+
+def _entry(rank: int, world: int, init: str, backend: str, fn, args) -> None:
+    dist.init_process_group(backend, rank=rank, world_size=world, init_method=init, timeout=TIMEOUT)
+    try:
+        fn(ParallelGroup(rank, world), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(world: int, fn, args: tuple, device: torch.device) -> ParallelGroup:
+    """Start ranks 1..world-1 as processes running fn(pg, *args) and join rank 0 from here -> rank 0's group.
+    A rank that dies takes this process down with its exit code (a watchdog thread), so nothing waits forever."""
+    backend = {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")  # ROCm builds name RCCL "nccl" too
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, world, init, backend, fn, args), daemon=True)
+             for r in range(1, world)]
+    for p in procs:
+        p.start()
+    dist.init_process_group(backend, rank=0, world_size=world, init_method=init, timeout=TIMEOUT)
+
+    def watch():
+        while not _finished.is_set():
+            for r, p in enumerate(procs, 1):
+                if p.exitcode not in (None, 0):
+                    print(f"error: tensor-parallel rank {r} exited with code {p.exitcode}", file=sys.stderr)
+                    os._exit(1)
+            time.sleep(0.2)
+
+    _finished.clear()
+    _workers[:] = procs
+    threading.Thread(target=watch, daemon=True).start()
+    return ParallelGroup(0, world)
+
+
+def finish(engine: DistributedLLMEngine) -> None:
+    """Stop the other ranks, wait for them, and leave the group (rank 0, when done)."""
+    engine.shutdown()
+    _finished.set()
+    for p in _workers:
+        p.join(timeout=60)
+    _workers.clear()
+    dist.destroy_process_group()
