@@ -43,6 +43,8 @@ class LLM:
         self.checkpoint = model
         self.method = default_spec_method(model) if speculative == "auto" else speculative
         engine_kw.setdefault("max_waiting", 1 << 20)
+        if parallel is not None and parallel.world_size > 1:
+            engine_kw["enforce_eager"] = True  # graphs with collectives inside are not yet checked on GPUs
         config = EngineConfig(speculative=self.method, num_spec_tokens=num_spec_tokens, spec_budget=spec_budget,
                               **engine_kw)
         engine_cls, extra = LLMEngine, {}
