@@ -20,8 +20,8 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
-from sparkspec.config import ModelConfig, yarn_inv_freq
-from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Attention, DeepseekV4Model
+from sparkspec.config import ModelConfig
+from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, DeepseekV4Model
 from sparkspec.models.weights import (
     CheckpointError,
     TensorSource,
@@ -134,7 +134,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
     check_tensors({n: tuple(t.shape) for n, t in targets.items()},
                   {n: src.shape for n, src in plan.items()}, str(path))
     drafter_tensors = _stream_into(model, targets, plan, device, dtype, path, progress)
-    _materialise_rotary(model, cfg, device)
+    _move_computed(model, device)
     _check_materialised(model)
     model.eval()
     peak = _rss_bytes("VmHWM") if peak_source == "VmHWM" else _maxrss_bytes()
@@ -143,10 +143,32 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
     return LoadedCheckpoint(model, cfg, tokenizer, drafter_tensors, path, stats)
 
 
+class _MetaInit(torch.overrides.TorchFunctionMode):
+    """Inside `torch.device("meta")`: `torch.arange` (and so everything computed from it, the RoPE frequencies
+    of `Attention.__init__`) runs on the CPU, so tensors that `__init__` computes are real, with the model's own
+    values, while parameters and buffers that are only allocated stay on meta. Initialisers on meta tensors are
+    skipped: they have no data to fill, and torch's meta kernels for them import sympy (~150 MB of host memory)."""
+
+    INITS = frozenset({"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                       "xavier_uniform_", "xavier_normal_", "orthogonal_", "zero_", "zeros_", "ones_", "fill_",
+                       "constant_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.arange:
+            kwargs["device"] = "cpu"
+        elif getattr(func, "__name__", None) in self.INITS:
+            target = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def meta_model(cfg: ModelConfig, dtype: torch.dtype) -> DeepseekV4Model:
     """The target model on the meta device (no memory, no init work), each parameter already in the dtype it
-    will be loaded in: `dtype`, or fp32 where `keep_fp32` keeps it (the model's own rule, not a copy of it)."""
-    with torch.device("meta"):
+    will be loaded in: `dtype`, or fp32 where `keep_fp32` keeps it (the model's own rule, not a copy of it).
+    RoPE frequencies are real CPU tensors (`_MetaInit`); `_move_computed` puts them on the device."""
+    with torch.device("meta"), _MetaInit():
         model = DeepseekV4Model(cfg)
     for p in model.parameters():
         p.data = p.data.to(dtype)
@@ -184,21 +206,17 @@ def _check_tid2eid(cfg: ModelConfig, name: str, t: torch.Tensor, path: Path) -> 
                               f"expected [0, {cfg.n_routed_experts})")
 
 
-def _materialise_rotary(model: DeepseekV4Model, cfg: ModelConfig, device: torch.device) -> None:
-    """RoPE frequencies are not in the checkpoint: on the meta device `__init__` computed nothing, so compute
-    them again, as `Attention.__init__` does, on the real device. Both the fp32 buffer and the fp32 master copy
-    (`inv_freq_fp32`, a plain attribute `keep_fp32` restores from) are set."""
-    for attn in model.modules():
-        if isinstance(attn, Attention):
-            compressed = attn.ratio > 1
-            theta = cfg.compress_rope_theta if compressed else cfg.rope_theta
-            inv = yarn_inv_freq(cfg.qk_rope_head_dim, theta, cfg.yarn if compressed else None).to(device)
-            rotary = attn.rotary
-            if tuple(inv.shape) != tuple(rotary.inv_freq.shape):
-                raise AssertionError(f"layer {attn.layer_id}: RoPE frequencies {tuple(inv.shape)}, model has "
-                                     f"{tuple(rotary.inv_freq.shape)}")
-            rotary.inv_freq_fp32 = inv.float().clone()
-            rotary.inv_freq = inv.float()
+def _move_computed(model: DeepseekV4Model, device: torch.device) -> None:
+    """Move what `__init__` computed (buffers that are not in the checkpoint, such as RoPE `inv_freq`, and plain
+    tensor attributes such as its fp32 master copy `inv_freq_fp32`) from the CPU to `device`."""
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                module._buffers[name] = b.to(device)
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                    and not value.is_meta and value.device != device:
+                setattr(module, name, value.to(device))
 
 
 def _check_materialised(model: DeepseekV4Model) -> None:
