@@ -99,6 +99,7 @@ FP4_PACKED_DTYPES = (torch.int8, torch.uint8)  # FP4 when a '.scale' goes with i
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
 # what safetensors raises on a corrupt or truncated file (its own error for headers, others for data)
 READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError)
+REMAP_BYTES = 1 << 30  # a shard is reopened after this much data: see `_mapping_groups`
 FUSED_EXPERTS = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -244,9 +245,7 @@ Placement = Callable[[str], tuple[torch.device, torch.dtype | None]]  # name -> 
 def stream_tensors(plan: dict[str, TensorSource], place: Placement,
                    progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every entry of `plan`, shard by shard, each tensor an owned copy on its
-    `place(name)` device and dtype (FP8 / FP4 dequantised there; None: fp32 when quantised, else as stored).
-    Only one shard is open at a time: the pages of an open shard that were read count in the resident set
-    until it closes (the shards are memory-mapped), so a shard is closed as soon as its tensors are out."""
+    `place(name)` device and dtype (FP8 / FP4 dequantised there; None: fp32 when quantised, else as stored)."""
     from tqdm import tqdm
 
     by_file: dict[Path, list[str]] = {}
@@ -255,13 +254,30 @@ def stream_tensors(plan: dict[str, TensorSource], place: Placement,
     total = sum(src.nbytes for src in plan.values())
     with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress) as bar:
         for f in sorted(by_file):
-            for name, t in _stream_file(f, by_file[f], plan, place):
-                bar.update(plan[name].nbytes)
-                yield name, t
+            for names in _mapping_groups(by_file[f], plan):
+                for name, t in _stream_group(f, names, plan, place):
+                    bar.update(plan[name].nbytes)
+                    yield name, t
 
 
-def _stream_file(f: Path, names: list[str], plan: dict[str, TensorSource],
-                 place: Placement) -> Iterator[tuple[str, torch.Tensor]]:
+def _mapping_groups(names: list[str], plan: dict[str, TensorSource]) -> list[list[str]]:
+    """Consecutive runs of at most `REMAP_BYTES` of data (or one tensor). safetensors maps a shard once per
+    open handle, and every page read stays resident (file-backed, but counted in the resident set) until the
+    handle closes; reopening the shard per run keeps that to about `REMAP_BYTES` whatever the shard size."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = plan[name].nbytes
+        if groups[-1] and size + n > REMAP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    return groups
+
+
+def _stream_group(f: Path, names: list[str], plan: dict[str, TensorSource],
+                  place: Placement) -> Iterator[tuple[str, torch.Tensor]]:
     with _open(f) as sf:
         row: tuple[tuple, torch.Tensor] | None = None  # the last fused row read: w1 and w3 share it
         for name in names:
