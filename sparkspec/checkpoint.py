@@ -105,7 +105,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
 
     Parameters that the model keeps in fp32 (mHC, sinks, ape, router bias, `norm` modules) stay fp32 whatever
     `dtype` is. The model is built on the meta device and every tensor is streamed from the shards straight into
-    it (`_stream_into`): host memory holds one tensor at a time, not the checkpoint. `progress`: a byte-counting
+    it (`_stream_into`): host memory holds one tensor at a time and the pages of the shard being read (at most
+    `weights.REMAP_BYTES` of them), not the checkpoint; the `mtp.*` tensors are kept. `progress`: a byte-counting
     bar on stderr. `load_stats` reports the time, bytes read and peak host memory."""
     start, rss_start, peak_source = time.perf_counter(), _rss_bytes("VmRSS"), _reset_peak_rss()
     path = Path(path)
