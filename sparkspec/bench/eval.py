@@ -140,7 +140,7 @@ def cmd_eval(args) -> int:
         find_eval_file(ds, args.data_dir)
     methods = (["none"] if args.baseline else []) + [m.strip() for m in args.spec.split(",") if m.strip()]
     temps = [float(t) for t in args.temperature.split(",")]
-    ck = load_checkpoint(model_dir, device=args.device)
+    ck = load_checkpoint(model_dir, device=args.device, progress=True)
     if ck.tokenizer is None:
         raise ValueError(f"{model_dir}: no tokenizer.json (eval needs the chat template)")
     prompts = {ds: load_prompts(ds, args.data_dir, ck.tokenizer, args.num_prompts) for ds in datasets}

@@ -232,7 +232,7 @@ def run(args) -> list[dict]:
     if args.model is not None:
         from sparkspec.checkpoint import load_checkpoint
 
-        ckpt = load_checkpoint(args.model, device=str(device), dtype=args.dtype)
+        ckpt = load_checkpoint(args.model, device=str(device), dtype=args.dtype, progress=True)
         model, drafter_tensors = ckpt.model, ckpt.drafter_tensors
     elif args.compare_transformers:
         try:

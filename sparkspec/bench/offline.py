@@ -81,7 +81,7 @@ def run_offline(args) -> list[dict]:
         torch.set_num_threads(args.threads)
     settings = [Setting.parse(s) for s in args.settings.split(",")]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    ckpt = load_checkpoint(args.model, device=args.device, dtype=args.dtype)
+    ckpt = load_checkpoint(args.model, device=args.device, dtype=args.dtype, progress=True)
     if ckpt.tokenizer is None:
         raise ValueError(f"{args.model}: the benchmark needs a tokenizer")
     texts = load_prompts(args.dataset or None, num=max(args.num_prompts, 1))

@@ -57,7 +57,7 @@ def build_engine(args, **extra):
     model_dir = Path(args.model) if args.model else _default_model()
     if not model_dir.exists():
         raise ValueError(f"model directory not found: {model_dir}")
-    ckpt = load_checkpoint(model_dir, device=args.device, dtype=args.dtype)
+    ckpt = load_checkpoint(model_dir, device=args.device, dtype=args.dtype, progress=True)
     spec = args.spec or default_spec(ckpt)
     config = engine_config_from_args(args, spec, **extra)
     return LLMEngine(ckpt.model, ckpt.tokenizer, config, ckpt.drafter_tensors), ckpt
