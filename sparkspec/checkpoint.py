@@ -28,6 +28,7 @@ from sparkspec.models.weights import (
     assign_tensor,
     check_tensors,
     plan_tensors,
+    runs_by_bytes,
     stream_tensors,
 )
 from sparkspec.platform import configure_cpu_threads, current_platform, default_dtype
@@ -290,16 +291,8 @@ def _storage_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> to
 
 
 def _shards(names: list[str], tensors: dict[str, torch.Tensor], shard_size_bytes: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    size = 0
-    for k in names:
-        n = tensors[k].numel() * tensors[k].element_size()
-        if shards[-1] and size + n > shard_size_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(k)
-        size += n
-    return shards
+    return runs_by_bytes(names, {k: tensors[k].numel() * tensors[k].element_size() for k in names},
+                         shard_size_bytes)
 
 
 def _save_file(tensors: dict, path: Path, metadata: dict) -> None:

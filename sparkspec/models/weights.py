@@ -260,20 +260,26 @@ def stream_tensors(plan: dict[str, TensorSource], place: Placement,
                     yield name, t
 
 
+def runs_by_bytes(names: list[str], nbytes: dict[str, int], limit: int) -> list[list[str]]:
+    """Consecutive runs of names holding at most `limit` bytes each (a single larger item gets a run of its own):
+    how the writer cuts shards and the loader groups its reads."""
+    runs: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = nbytes[name]
+        if runs[-1] and size + n > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(name)
+        size += n
+    return runs
+
+
 def _mapping_groups(names: list[str], plan: dict[str, TensorSource]) -> list[list[str]]:
     """Consecutive runs of at most `REMAP_BYTES` of data (or one tensor). safetensors maps a shard once per
     open handle, and every page read stays resident (file-backed, but counted in the resident set) until the
     handle closes; reopening the shard per run keeps that to about `REMAP_BYTES` whatever the shard size."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        n = plan[name].nbytes
-        if groups[-1] and size + n > REMAP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += n
-    return groups
+    return runs_by_bytes(names, {name: plan[name].nbytes for name in names}, REMAP_BYTES)
 
 
 def _stream_group(f: Path, names: list[str], plan: dict[str, TensorSource],
