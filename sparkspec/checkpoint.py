@@ -100,15 +100,36 @@ def read_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"{cfg_file}: {e}") from None
 
 
+def read_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer | None:
+    """The directory's tokenizer (None without tokenizer.json), checked against the config: apart from the
+    weights so that a tensor-parallel launcher can encode prompts before any rank loads."""
+    if not (path / "tokenizer.json").is_file():
+        return None
+    try:
+        tokenizer = Tokenizer.from_dir(path)
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
+                              f"vocab_size={cfg.vocab_size}")
+    return tokenizer
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
-                    dtype: str | torch.dtype | None = None, progress: bool = False) -> LoadedCheckpoint:
+                    dtype: str | torch.dtype | None = None, progress: bool = False, parallel=None,
+                    expert_parallel: bool = False) -> LoadedCheckpoint:
     """Load a checkpoint directory into a target model (official or transformers tensor names; FP8/FP4 dequantised).
 
     Parameters that the model keeps in fp32 (mHC, sinks, ape, router bias, `norm` modules) stay fp32 whatever
     `dtype` is. The model is built on the meta device and every tensor is streamed from the shards straight into
     it (`_stream_into`): host memory holds one tensor at a time and the pages of the shard being read (at most
     `weights.REMAP_BYTES` of them), not the checkpoint; the `mtp.*` tensors are kept. `progress`: a byte-counting
-    bar on stderr. `load_stats` reports the time, bytes read and peak host memory."""
+    bar on stderr. `load_stats` reports the time, bytes read and peak host memory.
+
+    `parallel`: this rank's `distributed.ParallelGroup`; the meta model is sharded (`tensor_parallel.shard_`,
+    whole experts with `expert_parallel`) before any data is read, and only this rank's slices are read, so a
+    rank needs memory for its share, not the whole model. Names and shapes are still checked against the
+    whole checkpoint, before sharding."""
     start, rss_start, peak_source = time.perf_counter(), _rss_bytes("VmRSS"), _reset_peak_rss()
     path = Path(path)
     dtype = resolve_dtype(dtype)
@@ -118,23 +139,16 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
     device = torch.device(device) if device is not None else current_platform().device
     if device.type == "cpu":
         configure_cpu_threads(cfg.hidden_size)
-    tokenizer = None  # read first: a broken tokenizer fails before the weights load
-    if (path / "tokenizer.json").is_file():
-        try:
-            tokenizer = Tokenizer.from_dir(path)
-        except TokenizerError as e:
-            raise CheckpointError(str(e)) from None
-        if tokenizer.vocab_size > cfg.vocab_size:
-            raise CheckpointError(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than the model's "
-                                  f"vocab_size={cfg.vocab_size}")
+    tokenizer = read_tokenizer(path, cfg)  # read first: a broken tokenizer fails before the weights load
     plan = plan_tensors(path)  # headers only: names, dtypes and shapes are checked before any data is read
     if cfg.tie_word_embeddings and "head.weight" not in plan and "embed.weight" in plan:
         plan["head.weight"] = plan["embed.weight"]
     model = meta_model(cfg, dtype)
-    targets = dict(model.named_parameters())
-    targets.update((n, b) for n, b in model.named_buffers() if not n.endswith("inv_freq"))
+    targets = _targets(model)
     check_tensors({n: tuple(t.shape) for n, t in targets.items()},
                   {n: src.shape for n, src in plan.items()}, str(path))
+    if parallel is not None and parallel.world_size > 1:
+        targets, plan = _shard_plan(model, plan, parallel, expert_parallel)
     drafter_tensors = _stream_into(model, targets, plan, device, dtype, path, progress)
     _move_computed(model, device)
     _check_materialised(model)
@@ -143,6 +157,32 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
     stats = LoadStats(time.perf_counter() - start, sum(src.nbytes for src in plan.values()),
                       max(peak - rss_start, 0), peak_source)
     return LoadedCheckpoint(model, cfg, tokenizer, drafter_tensors, path, stats)
+
+
+def _shard_plan(model: DeepseekV4Model, plan: dict[str, TensorSource], pg, expert_parallel: bool
+                ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSource]]:
+    """Shard the meta model for this rank and plan what it reads: each parameter's cut of its checkpoint
+    tensor (under the parameter's name), the `mtp.*` tensors whole, nothing of the experts other ranks hold."""
+    from sparkspec.distributed.tensor_parallel import shard_
+
+    cuts = shard_(model, pg, expert_parallel)
+    targets = _targets(model)
+    sharded = {n: plan[n] for n in plan if n.startswith("mtp.")}
+    for name in targets:
+        cut = cuts.get(name)
+        if cut is None:
+            sharded[name] = plan[name]
+        else:
+            part = None if cut.dim is None else (cut.dim, cut.start, cut.stop)
+            sharded[name] = replace(plan[cut.source], cut=part)
+    return targets, sharded
+
+
+def _targets(model: DeepseekV4Model) -> dict[str, torch.Tensor]:
+    """Everything the checkpoint fills: parameters and the buffers that are not computed (RoPE `inv_freq`)."""
+    targets = dict(model.named_parameters())
+    targets.update((n, b) for n, b in model.named_buffers() if not n.endswith("inv_freq"))
+    return targets
 
 
 class _MetaInit(torch.overrides.TorchFunctionMode):

@@ -133,6 +133,14 @@ def encode_prompts(items, tokenizer, model_dir) -> list[tuple[str | None, list[i
     return out
 
 
+def _config_and_tokenizer(model_dir):
+    """What sizing the prompts needs, without the weights (a tensor-parallel run loads those per rank)."""
+    from sparkspec.checkpoint import read_config, read_tokenizer
+
+    cfg = read_config(model_dir)
+    return cfg, read_tokenizer(model_dir, cfg)
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -159,9 +167,13 @@ def cmd_generate(args) -> int:
         from sparkspec.distributed.engine import rank_device
 
         device = rank_device(0, args.device)
-    ckpt = load_checkpoint(args.model, device=device, progress=True)
-    prompts = encode_prompts(items, ckpt.tokenizer, args.model)
-    max_pos = ckpt.config.max_position_embeddings
+    if tp > 1:  # every rank loads its own slices once the group exists; prompts are sized from the config
+        cfg, tokenizer = _config_and_tokenizer(args.model)
+    else:
+        ckpt = load_checkpoint(args.model, device=device, progress=True)
+        cfg, tokenizer = ckpt.config, ckpt.tokenizer
+    prompts = encode_prompts(items, tokenizer, args.model)
+    max_pos = cfg.max_position_embeddings
     for i, (_, ids) in enumerate(prompts):
         if len(ids) >= max_pos:
             raise UserError(f"prompt {i}: {len(ids)} tokens exceeds max_position_embeddings={max_pos}")
@@ -176,6 +188,8 @@ def cmd_generate(args) -> int:
         from sparkspec.engine.llm import run_rank
 
         pg = launch(tp, run_rank, (str(args.model), args.device, None, llm_kwargs), device)
+        ckpt = load_checkpoint(args.model, device=device, progress=True, parallel=pg,
+                               expert_parallel=args.enable_expert_parallel)
     try:
         llm = LLM(ckpt, parallel=pg, **llm_kwargs)
         t0 = time.perf_counter()

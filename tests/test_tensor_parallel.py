@@ -95,3 +95,77 @@ def test_generate_with_two_processes_equals_one(tiny_checkpoint_with_drafters, e
         return [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
 
     assert run(extra) == run([])
+
+
+# ---------------------------------------------------------------- sharded loading: each rank reads its slices
+
+
+def full_then_shard(path, pg, expert_parallel, dtype):
+    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.distributed.tensor_parallel import shard_
+
+    ck = load_checkpoint(path, device="cpu", dtype=dtype)
+    shard_(ck.model, pg, expert_parallel)
+    return ck
+
+
+def assert_sharded_load_equals_full_then_shard(path, expert_parallel, dtype=torch.float32):
+    """Every rank's sharded load holds exactly the tensors (names, shapes, values) of a full load then `shard_`;
+    returns the ranks' bytes read."""
+    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.distributed import ParallelGroup
+
+    read = []
+    for rank in range(2):
+        pg = ParallelGroup(rank, 2)
+        got = load_checkpoint(path, device="cpu", dtype=dtype, parallel=pg, expert_parallel=expert_parallel)
+        want = full_then_shard(path, pg, expert_parallel, dtype).model.state_dict()
+        have = got.model.state_dict()
+        assert have.keys() == want.keys()
+        for name, t in want.items():
+            assert have[name].dtype == t.dtype and torch.equal(have[name], t), name
+        assert sorted(got.drafter_tensors) == sorted(load_checkpoint(path, device="cpu").drafter_tensors)
+        read.append(got.load_stats.bytes_read)
+    return read
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2"])
+def test_sharded_load_reads_only_the_ranks_slices(tiny_checkpoint, tiny_checkpoint_with_drafters, expert_parallel):
+    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.distributed import ParallelGroup
+
+    assert_sharded_load_equals_full_then_shard(tiny_checkpoint_with_drafters, expert_parallel)  # drafters whole
+    path = tiny_checkpoint
+    full = load_checkpoint(path, device="cpu")
+    read = assert_sharded_load_equals_full_then_shard(path, expert_parallel)
+    for share in read:  # the replicated part (latent, indexer, mHC, router) keeps it a little above half
+        assert 0.4 < share / full.load_stats.bytes_read < 0.65
+    ck = load_checkpoint(path, device="cpu", parallel=ParallelGroup(1, 2), expert_parallel=expert_parallel)
+    cfg, attn, ffn = ck.config, ck.model.layers[0].attn, ck.model.layers[1].ffn
+    assert attn.wq_b.weight.shape[0] == full.model.layers[0].attn.wq_b.weight.shape[0] // 2
+    assert ck.model.embed.weight.shape[0] == ck.model.head.weight.shape[0] == cfg.vocab_size // 2
+    if expert_parallel:
+        assert len(ffn.experts) == cfg.n_routed_experts // 2 and ffn.experts_held == (cfg.n_routed_experts // 2,
+                                                                                      cfg.n_routed_experts // 2)
+    else:
+        assert ffn.experts[0].w2.weight.shape[1] == cfg.moe_intermediate_size // 2
+    with pytest.raises(ValueError, match="already sharded"):
+        from sparkspec.distributed.tensor_parallel import shard_
+
+        shard_(ck.model, ParallelGroup(1, 2))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantised_checkpoint_loads_sharded(tmp_path, expert_parallel, dtype):
+    """FP8 128x128 blocks cut inside a block (the tiny dims are smaller than a block) and FP4 1x32 blocks cut
+    by columns (`w2`): the covering blocks are read, dequantised and trimmed; scales live in other shards."""
+    sys.path.insert(0, TESTS)
+    from conftest import tiny_config
+    from test_loading import quantised, write_shards
+
+    from sparkspec.checkpoint import random_target_tensors
+
+    cfg = tiny_config(moe_intermediate_size=32)  # one FP4 block per w2 row: each rank's half is cut from it
+    raw, _ = quantised(random_target_tensors(cfg, torch.Generator().manual_seed(8)))
+    assert_sharded_load_equals_full_then_shard(write_shards(tmp_path, raw, cfg), expert_parallel, dtype)

@@ -52,7 +52,8 @@ class LLM:
             from sparkspec.distributed.engine import DistributedLLMEngine
             from sparkspec.distributed.tensor_parallel import shard_
 
-            shard_(model.model, parallel, expert_parallel)
+            if getattr(model.model, "shard_cuts", None) is None:  # a sharded load has done it already
+                shard_(model.model, parallel, expert_parallel)
             if parallel.rank == 0:
                 engine_cls, extra = DistributedLLMEngine, {"pg": parallel}
         self.engine = engine_cls(model.model, model.tokenizer, config, model.drafter_tensors, **extra)
@@ -82,9 +83,11 @@ class LLM:
 
 
 def run_rank(pg, model_path: str, device: str | None, dtype: str | None, llm_kwargs: dict) -> None:
-    """Ranks 1.. of a tensor-parallel run: load, shard, build the same engine as rank 0, then follow it."""
+    """Ranks 1.. of a tensor-parallel run: load this rank's slices only, build the same engine as rank 0, then
+    follow it."""
     from sparkspec.checkpoint import load_checkpoint
     from sparkspec.distributed.engine import rank_device, worker_loop
 
-    ckpt = load_checkpoint(model_path, device=rank_device(pg.rank, device), dtype=dtype)
+    ckpt = load_checkpoint(model_path, device=rank_device(pg.rank, device), dtype=dtype, parallel=pg,
+                           expert_parallel=llm_kwargs.get("expert_parallel", False))
     worker_loop(LLM(ckpt, parallel=pg, **llm_kwargs).engine, pg)

@@ -23,7 +23,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from sparkspec.models.quant import dequant_fp4, dequant_fp8_block, fp4_scale_shape, fp8_scale_shape
+from sparkspec.models.quant import (
+    FP4_BLOCK,
+    FP8_BLOCK,
+    dequant_fp4,
+    dequant_fp8_block,
+    fp4_scale_shape,
+    fp8_scale_shape,
+)
 
 # (pattern, replacement) applied in order to names that are not official yet
 TRANSFORMERS_RENAMES: list[tuple[str, str]] = [
@@ -115,6 +122,8 @@ class TensorSource:
     expert: int | None = None  # row of a fused [E, ...] tensor
     half: int | None = None  # gate_up_proj rows: 0 = w1 (gate), 1 = w3 (up)
     scale: TensorSource | None = None
+    # (dim, start, stop): only this part of the tensor the model receives (a tensor-parallel rank's slice)
+    cut: tuple[int, int, int] | None = None
 
     @property
     def quant(self) -> str | None:
@@ -136,11 +145,20 @@ class TensorSource:
             shape[0] = first if self.half == 0 else shape[0] - first
         if self.quant == "fp4":
             shape[-1] *= 2
+        if self.cut is not None:
+            shape[self.cut[0]] = self.cut[2] - self.cut[1]
         return tuple(shape)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of stored data this tensor reads (its scale included)."""
+        """Bytes of stored data this tensor reads (its scale included; of a cut, the covering blocks)."""
+        if self.cut is not None:
+            region = _cut_region(self)
+            size = getattr(self.dtype, "itemsize", 0) * _numel(_region_shape(region.index, self.stored_shape))
+            if self.scale is not None:
+                scale_shape = _region_shape(region.scale_index, self.scale.stored_shape)
+                size += getattr(self.scale.dtype, "itemsize", 0) * _numel(scale_shape)
+            return size
         size = getattr(self.dtype, "itemsize", 0) * _numel(self.row_shape)
         size = size // 2 if self.half is not None else size
         return size + (self.scale.nbytes if self.scale is not None else 0)
@@ -151,6 +169,60 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+@dataclass(frozen=True)
+class _Region:
+    """What a cut source reads: `index` into the stored tensor and `scale_index` into its scale, both covering
+    whole quantisation blocks (a block's values need its scale, and dequantising needs whole blocks), and
+    `trim`: the offset of the wanted part inside the dequantised piece along the cut's dim."""
+
+    index: tuple
+    scale_index: tuple
+    trim: int
+
+
+def _block(src: TensorSource, dim: int) -> tuple[int, int]:
+    """(values per scale, values per stored element) along `dim` of the tensor the model receives."""
+    if src.quant == "fp8":
+        return FP8_BLOCK, 1
+    if src.quant == "fp4":
+        return (1, 1) if dim == 0 else (FP4_BLOCK, 2)
+    return 1, 1
+
+
+def _cut_region(src: TensorSource) -> _Region:
+    """The stored part that holds `src.cut`, widened to whole scale blocks."""
+    dim, start, stop = src.cut
+    rows = list(src.row_shape)
+    block, pack = _block(src, dim)
+    first, last = start // block, -(-stop // block)
+    lo, hi = first * block, min(last * block, _full_dim(src, dim))
+    span = [slice(0, n) for n in rows]
+    if src.half is not None:  # gate_up rows: the half's own rows (torch.chunk: the first half gets the odd row)
+        half_rows = (rows[0] + 1) // 2
+        span[0] = slice(0, half_rows) if src.half == 0 else slice(half_rows, rows[0])
+    base = span[dim].start
+    span[dim] = slice(base + lo // pack, base + -(-hi // pack))
+    scale_index = [slice(None)] * len(rows)
+    scale_index[dim] = slice(first, last)
+    index = ((src.expert,) if src.expert is not None else ()) + tuple(span)
+    return _Region(index, tuple(scale_index), start - lo)
+
+
+def _full_dim(src: TensorSource, dim: int) -> int:
+    """Length of `dim` of the uncut tensor the model receives."""
+    return replace(src, cut=None).shape[dim]
+
+
+def _region_shape(index: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of `tensor[index]` for ints and slices (ints drop their dim)."""
+    out = []
+    for i, n in enumerate(shape):
+        k = index[i] if i < len(index) else slice(None)
+        if isinstance(k, slice):
+            out.append(len(range(*k.indices(n))))
+    return tuple(out)
 
 
 def _split_fused_experts(name: str, t: torch.Tensor, out: dict[str, torch.Tensor]) -> bool:
@@ -288,6 +360,9 @@ def _stream_group(f: Path, names: list[str], plan: dict[str, TensorSource],
         row: tuple[tuple, torch.Tensor] | None = None  # the last fused row read: w1 and w3 share it
         for name in names:
             src = plan[name]
+            if src.cut is not None:
+                yield name, _read_cut(sf, f, name, src, place)
+                continue
             if src.expert is not None and (row is None or row[0] != (src.key, src.expert)):
                 row = ((src.key, src.expert), _read(sf, f, src.key, src.expert))
             raw = row[1] if src.expert is not None else _read(sf, f, src.key)
@@ -302,6 +377,32 @@ def _read(sf, f: Path, key: str, expert: int | None = None) -> torch.Tensor:
     """One stored tensor (or one row of it). The result maps the file: copy before keeping it."""
     try:
         return sf.get_tensor(key) if expert is None else sf.get_slice(key)[expert]
+    except READ_ERRORS as e:
+        raise CheckpointError(f"{f}: cannot read tensor '{key}' ({e})") from None
+
+
+def _read_cut(sf, f: Path, name: str, src: TensorSource, place: Placement) -> torch.Tensor:
+    """A rank's slice: the covering blocks are read (with their scales), dequantised and trimmed to the cut."""
+    region = _cut_region(src)
+    raw = _read_index(sf, f, src.key, region.index)
+    scale = None
+    if src.scale is not None:
+        if src.scale.file == f:
+            scale = _read_index(sf, f, src.scale.key, region.scale_index)
+        else:
+            with _open(src.scale.file) as other:
+                scale = _read_index(other, src.scale.file, src.scale.key, region.scale_index).clone()
+    device, dtype = place(name)
+    t = materialise(name, replace(src, cut=None), raw, scale, device, dtype)
+    dim, start, stop = src.cut
+    if t.shape[dim] == stop - start:
+        return t
+    return t.narrow(dim, region.trim, stop - start).clone()  # clone: drop the rest of the covering blocks
+
+
+def _read_index(sf, f: Path, key: str, index: tuple) -> torch.Tensor:
+    try:
+        return sf.get_slice(key)[index]
     except READ_ERRORS as e:
         raise CheckpointError(f"{f}: cannot read tensor '{key}' ({e})") from None
 
