@@ -114,8 +114,7 @@ def step_split(eng, batch: int, context_len: int, repeats: int = 5) -> dict:
     pools once its requests are done."""
     spec, runner = eng.spec, eng.runner
     k = spec.num_spec_tokens
-    per_seq = -(-(context_len + 2 * k + 2) // runner.cache.block_size)
-    items = spec.probe_requests(runner, batch, context_len, per_seq)
+    items = spec.probe_requests(runner, batch, context_len)
     drafts = [[2] * k for _ in items]
     verify = spec.time_step(runner, items, drafts, 0, repeats)
     full = spec.time_step(runner, items, drafts, k if spec.proposer.on_device else 0, repeats)

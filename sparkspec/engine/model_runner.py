@@ -306,8 +306,3 @@ class ModelRunner:
                                    min(seq.params.prompt_logprobs, num_top), num_top)
             row += n
         return out
-
-    def synchronize(self) -> None:
-        """Wait for the accelerator (timings only; the step itself never waits)."""
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize(self.device)

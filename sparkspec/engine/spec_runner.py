@@ -118,14 +118,14 @@ class SpecRunner:
         `runner.execute` exactly as the engine runs a decode step (CUDA graphs included when they are on). Runs
         on the engine's own pools before any request is admitted (block ids from 0)."""
         k = self.num_spec_tokens
-        per_seq = -(-(context_len + 2 * k + 2) // runner.cache.block_size)
+        per_seq = self.probe_blocks(runner, context_len)
         grid, r = [], 1
         while r <= min(self.config.max_num_seqs, runner.cache.num_blocks // per_seq):
             grid.append(r)
             r *= 2
         target, draft = {}, []
         for r in grid:
-            items = self.probe_requests(runner, r, context_len, per_seq)
+            items = self.probe_requests(runner, r, context_len)
             points = []
             for e in range(k + 1):
                 drafts = [[2 + j for j in range(e)] for _ in items]
@@ -136,8 +136,13 @@ class SpecRunner:
                 draft.append((r, max(self.time_step(runner, items, [[] for _ in items], k, repeats) - plain, 0.0)))
         return CostTable(target, draft)
 
-    def probe_requests(self, runner, num_reqs: int, context_len: int, per_seq: int) -> list[ScheduledSeq]:
-        """`num_reqs` decode rows after a prefilled context of `context_len` random tokens."""
+    def probe_blocks(self, runner, context_len: int) -> int:
+        """Blocks a probe request holds: its context, then room for two rounds of drafts."""
+        return -(-(context_len + 2 * self.num_spec_tokens + 2) // runner.cache.block_size)
+
+    def probe_requests(self, runner, num_reqs: int, context_len: int) -> list[ScheduledSeq]:
+        """`num_reqs` decode rows after a prefilled context of `context_len` random tokens, on blocks from 0."""
+        per_seq = self.probe_blocks(runner, context_len)
         from sparkspec.sampling_params import SamplingParams
 
         seqs = []

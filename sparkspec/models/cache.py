@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import torch
 
-COMPRESSED_KINDS = ("compressed", "idx_keys")  # kinds with one row per `ratio` positions (kept for accounting)
-
-
 def entries_per_block(block_size: int, ratio: int) -> int:
     """Compressed entries stored per block for a layer with this compress ratio (0 for sliding-only layers)."""
     if ratio <= 1:

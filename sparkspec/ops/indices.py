@@ -24,11 +24,6 @@ def dspark_index_width(window: int, num_block_rows: int) -> int:
     return window + num_block_rows
 
 
-def compressed_index_width(window: int, num_compressed: int) -> int:
-    """Width of a [sliding-window rows | compressed rows] list (num_compressed = top-k for CSA, all visible for HCA)."""
-    return swa_index_width(window) + num_compressed
-
-
 def paged_attention_indices(
     positions: torch.Tensor,  # [T] absolute positions of the queries
     req_idx: torch.Tensor,  # [T] request row of each query
@@ -39,7 +34,7 @@ def paged_attention_indices(
     topk: torch.Tensor | None,  # [T, K] chosen compressed entries (-1 pad) for CSA; None = all visible (HCA)
     num_compressed: int,  # HCA: C, the compressed columns (entries j < C; each query sees j < (pos + 1) // ratio)
 ) -> torch.Tensor:
-    """Causal sliding window, then compressed entries -> [T, compressed_index_width(window, K or C)] int64 rows
+    """Causal sliding window, then compressed entries -> [T, W + K] (CSA) or [T, W + C] (HCA) int64 rows
     of the layer's `attn` pool (see `models/cache.py`), -1 padded."""
     return ops.paged_attention_indices(positions, req_idx, block_tables, block_size, window, ratio, topk,
                                        num_compressed)

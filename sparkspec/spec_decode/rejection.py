@@ -27,19 +27,10 @@ position's randomness fresh; and a seeded request's tokens do not depend on the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from sparkspec.ops.rng import uniform_at
 from sparkspec.ops.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, SamplingTensors, inverse_cdf, probs_for
-
-
-@dataclass
-class Verdict:  # kept for old callers; the batched API returns tensors instead
-    num_accepted: int
-    token_ids: list[int]
-    is_bonus: bool
 
 
 class RejectionSampler:
