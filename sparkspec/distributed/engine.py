@@ -4,7 +4,13 @@ Every rank holds a shard of the model and its own engine. The engine is determin
 in order, their seeds, aborts), so rank 0 sends only those inputs: once per step, one broadcast of the control
 messages gathered since the last step (`DistributedLLMEngine`); the other ranks replay them and take the same
 step (`worker_loop`), so every collective inside the sharded model meets its partners. Sampling is replicated:
-the logits are gathered on every rank and the same seeds give the same tokens.
+the logits are gathered on every rank and the same seeds give the same tokens. The adaptive verification budget
+decides from a measured cost table: rank 0's table is sent to the others once (`sync_budget`), so that every rank
+verifies the same drafts.
+
+Idle ranks wait in a broadcast. A server can stay idle for longer than any sensible collective timeout, so rank
+0 sends an empty "idle" message every `HEARTBEAT_S` seconds without a step (`start_heartbeat`); a worker whose
+parent (rank 0) has died exits at once instead of waiting for the timeout, and rank 0 exits when a worker dies.
 
     pg = launch(2, worker, (...))          # ranks 1.. run `worker`, which ends in `worker_loop(engine, pg)`
     engine = DistributedLLMEngine(..., pg=pg)   # rank 0, in this process
@@ -28,6 +34,7 @@ from sparkspec.distributed import ParallelGroup
 from sparkspec.engine.llm_engine import LLMEngine
 
 TIMEOUT = timedelta(minutes=10)  # a collective that waits longer than this is an error, not a hang
+HEARTBEAT_S = 30.0  # an idle rank 0 tells the others it is alive this often (well inside TIMEOUT)
 _workers: list = []  # the processes `launch` started (joined by `finish`)
 _finished = threading.Event()
 
@@ -39,6 +46,10 @@ class DistributedLLMEngine(LLMEngine):
         super().__init__(*args, **kwargs)
         self.pg = pg
         self._messages: list[tuple] = []
+        self._lock = threading.Lock()  # one broadcast at a time: the step's or the heartbeat's
+        self._last_send = time.monotonic()
+        self._stopped = False
+        sync_budget(self, pg)
 
     def add_request(self, prompt, params=None, request_id=None):
         seq = super().add_request(prompt, params, request_id)
@@ -54,24 +65,55 @@ class DistributedLLMEngine(LLMEngine):
         return found
 
     def step(self):
-        self._send(self._messages)
-        self._messages = []
-        return super().step()
+        with self._lock:
+            self._send(self._messages)
+            self._messages = []
+            return super().step()
 
     def shutdown(self) -> None:
-        """Ends the other ranks' loops (they return from `worker_loop`)."""
-        self._send([("stop",)])
+        """Ends the other ranks' loops (they return from `worker_loop`) and the heartbeat."""
+        with self._lock:
+            self._send([("stop",)])
+            self._stopped = True
+
+    def start_heartbeat(self, interval: float = HEARTBEAT_S) -> None:
+        """A daemon thread that sends ("idle",) whenever no step was sent for `interval` seconds (a server
+        waiting for requests); the other ranks take no step for it."""
+
+        def beat():
+            while not self._stopped:
+                time.sleep(min(interval, 1.0))
+                with self._lock:
+                    if not self._stopped and time.monotonic() - self._last_send >= interval:
+                        self._send([("idle",)])
+
+        threading.Thread(target=beat, name="sparkspec-heartbeat", daemon=True).start()
 
     def _send(self, messages: list[tuple]) -> None:
         dist.broadcast_object_list([messages], src=0, group=self.pg.group)
+        self._last_send = time.monotonic()
+
+
+def sync_budget(engine: LLMEngine, pg: ParallelGroup) -> None:
+    """Every rank takes rank 0's step-cost table (each rank measured its own, in lockstep): the adaptive budget
+    then chooses the same drafts everywhere. Called once by every rank after its engine is built."""
+    budget = engine.spec.budget if engine.spec is not None else None
+    box = [budget.cost if budget is not None else None]
+    dist.broadcast_object_list(box, src=0, group=pg.group)
+    if budget is not None:
+        budget.cost = box[0]
 
 
 def worker_loop(engine: LLMEngine, pg: ParallelGroup) -> None:
     """Ranks 1..: replay rank 0's requests and take the same steps until it stops."""
+    sync_budget(engine, pg)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=pg.group)
-        for message in box[0]:
+        messages = box[0]
+        if messages == [("idle",)]:
+            continue
+        for message in messages:
             if message[0] == "stop":
                 return
             if message[0] == "add":
@@ -90,11 +132,29 @@ def rank_device(rank: int, device: str | None) -> torch.device:
 
 
 def _entry(rank: int, world: int, init: str, backend: str, fn, args) -> None:
-    dist.init_process_group(backend, rank=rank, world_size=world, init_method=init, timeout=TIMEOUT)
+    parent = os.getppid()
+
+    def orphaned():  # rank 0 died (killed, crashed): there is nobody left to follow
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                print(f"error: tensor-parallel rank {rank}: rank 0 exited; stopping", file=sys.stderr)
+                os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    _join(backend, rank, world, init)
     try:
         fn(ParallelGroup(rank, world), *args)
     finally:
         dist.destroy_process_group()
+
+
+def _join(backend: str, rank: int, world: int, init: str) -> None:
+    """Join the group; NCCL ranks first select their own GPU (collectives and object broadcasts use the current
+    device, which would otherwise be GPU 0 on every rank)."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, init_method=init, timeout=TIMEOUT)
 
 
 def launch(world: int, fn, args: tuple, device: torch.device) -> ParallelGroup:
@@ -109,7 +169,7 @@ def launch(world: int, fn, args: tuple, device: torch.device) -> ParallelGroup:
              for r in range(1, world)]
     for p in procs:
         p.start()
-    dist.init_process_group(backend, rank=0, world_size=world, init_method=init, timeout=TIMEOUT)
+    _join(backend, 0, world, init)
 
     def watch():
         while not _finished.is_set():
@@ -125,9 +185,11 @@ def launch(world: int, fn, args: tuple, device: torch.device) -> ParallelGroup:
     return ParallelGroup(0, world)
 
 
-def finish(engine: DistributedLLMEngine) -> None:
-    """Stop the other ranks, wait for them, and leave the group (rank 0, when done)."""
-    engine.shutdown()
+def finish(engine: DistributedLLMEngine | None) -> None:
+    """Stop the other ranks, wait for them, and leave the group (rank 0, when done). Without an engine (the ranks
+    ran the same program, as `bench latency` does) only the waiting and leaving."""
+    if engine is not None:
+        engine.shutdown()
     _finished.set()
     for p in _workers:
         p.join(timeout=60)

@@ -44,7 +44,7 @@ class LLM:
         self.method = default_spec_method(model) if speculative == "auto" else speculative
         engine_kw.setdefault("max_waiting", 1 << 20)
         if parallel is not None and parallel.world_size > 1:
-            engine_kw["enforce_eager"] = True  # graphs with collectives inside are not yet checked on GPUs
+            engine_kw.update(parallel_engine_kwargs(parallel, self.method, spec_budget))
         config = EngineConfig(speculative=self.method, num_spec_tokens=num_spec_tokens, spec_budget=spec_budget,
                               **engine_kw)
         engine_cls, extra = LLMEngine, {}
@@ -80,6 +80,25 @@ class LLM:
             raise ValueError("this checkpoint has no tokenizer")
         ids = tok.encode(tok.apply_chat_template(messages))
         return self.engine.generate([ids], sampling_params or SamplingParams())[0]
+
+
+def parallel_engine_kwargs(pg, speculative: str, spec_budget: str) -> dict:
+    """What a rank of a tensor-parallel engine changes in its `EngineConfig`:
+    * graphs only where the collectives can be captured (NCCL / RCCL); gloo runs eagerly. Every rank captures
+      the same shapes in the same order, since rank 0 broadcasts the steps;
+    * the adaptive budget's cost table is measured afresh by every rank (in lockstep: measuring runs sharded
+      forwards) and rank 0's is then used by all (`distributed.engine.sync_budget`); a cached table could exist
+      on one rank and not another, and then only one of them would run the measuring forwards."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    out = {}
+    if dist.get_backend(pg.group) != "nccl":
+        out["enforce_eager"] = True
+    if speculative != "none" and spec_budget == "adaptive":
+        out["cost_cache_dir"] = tempfile.mkdtemp(prefix=f"sparkspec-costs-rank{pg.rank}-")
+    return out
 
 
 def run_rank(pg, model_path: str, device: str | None, dtype: str | None, llm_kwargs: dict) -> None:
