@@ -49,18 +49,42 @@ def test_static_padded_steps_equal_dynamic_steps(method):
     run = eng.runner.graphs.run
     eng.runner.graphs.run = lambda key, flat: used.append(key) or run(key, flat)
     assert [o.token_ids for o in eng.generate(prompts, params)] == plain
-    assert used and {q for _, q in used} <= {1, 4} and {R for R, _ in used} <= {1, 2, 4, 8}
+    assert used and {k.q for k in used} <= {1, 4} and {k.num_reqs for k in used} <= {1, 2, 4, 8}
     if method != "none":
         assert eng.stats.num_accepted > 0 or method != "replay"
 
 
-def test_static_steps_keep_seeded_sampling():
+def sampled_params(filtered: bool) -> list[SamplingParams]:
+    """Seeded sampling; `filtered` adds top-k / top-p requests, a greedy one and one asking for logprobs (its
+    steps run eagerly: graph steps return no logprobs)."""
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=7 + i, ignore_eos=True) for i in range(5)]
+    if filtered:
+        params[1] = SamplingParams(max_tokens=24, temperature=1.0, top_k=5, seed=3, ignore_eos=True)
+        params[2] = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, seed=4, ignore_eos=True)
+        params[3] = SamplingParams(max_tokens=11, ignore_eos=True)
+        params[4] = SamplingParams(max_tokens=4, temperature=0.9, seed=5, logprobs=2, ignore_eos=True)
+    return params
+
+
+@pytest.mark.parametrize("method", ["none", "dspark", "mtp"])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_static_steps_keep_seeded_sampling(method, filtered):
+    """Sampled steps in the static layout (dummy requests sample greedily next to real ones; drafts and their q
+    go through the shared q buffer) give exactly the dynamic steps' tokens and logprobs."""
     cfg, model, tensors = tiny_setup()
     prompts = mixed_prompts(cfg.vocab_size, LENGTHS, seed=5)
-    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=7 + i, ignore_eos=True) for i in range(5)]
-    want = [o.token_ids for o in engine(model, tensors, method="dspark").generate(prompts, params)]
-    got = [o.token_ids for o in engine(model, tensors, method="dspark", static=True).generate(prompts, params)]
-    assert got == want
+    params = sampled_params(filtered)
+    want = engine(model, tensors, method=method).generate(prompts, params)
+    eng = engine(model, tensors, method=method, static=True)
+    used = []
+    run = eng.runner.graphs.run
+    eng.runner.graphs.run = lambda key, flat: used.append(key) or run(key, flat)
+    got = eng.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    assert "filter" in {k.mode for k in used} if filtered else {k.mode for k in used} == {"sample"}
+    if method != "none":
+        assert {k.num_drafts for k in used} == {3}
 
 
 @pytest.mark.gpu
@@ -85,5 +109,7 @@ def test_cuda_graphs_equal_eager(method, dtype):
     eager, graphs = run(True), run(False)
     if dtype == torch.float32:
         assert graphs == eager
+        params = sampled_params(filtered=True)  # sampled modes (the filter mode is captured on first use)
+        assert run(False) == run(True)
     else:  # near-ties may flip in bf16 between shapes; most sequences must agree
         assert sum(a == b for a, b in zip(graphs, eager)) >= len(eager) - 1

@@ -151,3 +151,19 @@ def test_host_and_device_drafters_share_one_interface(setup):
     _, model, tensors, *_ = setup
     assert build_proposer("ngram", model, {}, 2).on_device is False
     assert build_proposer("dspark", model, tensors, 2).on_device is True
+
+
+def test_requests_left_out_of_a_step_drop_drafts_whose_q_was_overwritten():
+    """The drafter's q lives in one buffer that every proposing step rewrites: a request the token budget left
+    out of such a step must not verify against another request's q later."""
+    from sparkspec.engine.sequence import Sequence
+    from sparkspec.engine.spec_runner import SpecRunner
+
+    a, b, c = (Sequence(i, [5, 6, 7], SamplingParams(max_tokens=4)) for i in range(3))
+    a.spec.draft_ids, a.spec.draft_row = [9, 9], 0  # sampled this step: keeps its new row
+    b.spec.draft_ids, b.spec.draft_row = [8], 1  # left out, with a q row: loses its drafts
+    c.spec.draft_ids, c.spec.draft_row = [7], -1  # left out, one-hot drafts: keeps them
+    SpecRunner.forget_overwritten([a, b, c], {a})
+    assert (a.spec.draft_ids, a.spec.draft_row) == ([9, 9], 0)
+    assert (b.spec.draft_ids, b.spec.draft_row, b.spec.confidences) == ([], -1, None)
+    assert (c.spec.draft_ids, c.spec.draft_row) == ([7], -1)

@@ -96,7 +96,7 @@ class LLMEngine:
             from sparkspec.engine.spec_runner import SpecRunner
 
             self.spec = SpecRunner(model, config, drafter_tensors or {}, proposer)
-        self.runner = ModelRunner(model, self.spec.proposer if self.spec else None)
+        self.runner = ModelRunner(model, self.spec.proposer if self.spec else None, config.max_num_seqs)
         num_lookahead = self.spec.num_spec_tokens if self.spec else 0
         device = "cpu" if self.runner.device.type == "cpu" else str(self.runner.device)
         self.kv_plan: KVCachePlan = plan_kv_cache(
@@ -202,8 +202,9 @@ class LLMEngine:
         are kept. -> {seq: tokens appended}."""
         self.stats.num_steps += 1
         self.stats.num_decode_rows += sum(1 for it in items if it.samples and it.seq.output_ids)
-        if self.spec is not None:
+        if self.spec is not None and result.draft_probs is not None:
             self.spec.draft_probs = result.draft_probs
+            self.spec.forget_overwritten(self.scheduler.running, {items[i].seq for i in result.rows})
         produced, host_drafting = {}, []
         for i, it in enumerate(items):
             seq = it.seq
@@ -216,7 +217,8 @@ class LLMEngine:
             seq.num_cached_tokens += row.num_accepted
             if self.spec is not None:
                 self.spec.record(seq, len(drafts[i]), row.num_accepted, self.stats)
-                self.spec.keep(seq, row.next_drafts, row.next_confidences, result.draft_row[i])
+                self.spec.keep(seq, row.next_drafts, row.next_confidences,
+                               result.draft_row[i] if result.draft_probs is not None else -1)
             before = len(seq.output_ids)
             self.append(seq, row.token_ids)
             produced[seq] = seq.output_ids[before:]

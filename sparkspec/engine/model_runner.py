@@ -6,7 +6,8 @@ recompute chunk, or the pending token of a decode row), followed on decode rows 
 verification. The host packs everything into one `ForwardBatch` (one host->device copy), the target runs once,
 the rejection sampler turns the logits of every sampling row into emitted tokens on the device, a device
 drafter proposes the next drafts from the same rows, and one copy brings back accepted counts, tokens and the
-next drafts. Nothing in between waits for the device.
+next drafts. Nothing in between waits for the device. On CUDA a decode / verify step replays one captured graph
+of all of it (`cuda_graphs.py`); prefill and mixed steps run the same functions eagerly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sparkspec.engine.cuda_graphs import GraphKey
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.step_io import Download, Upload, float_bits
 from sparkspec.models.cache import KVCache
@@ -24,7 +26,6 @@ from sparkspec.models.forward_batch import build_batch, to_device
 from sparkspec.ops.sampling import SamplingTensors, gather_logprobs, logprobs_for
 from sparkspec.spec_decode.proposer import StepRows
 from sparkspec.spec_decode.rejection import RejectionSampler
-
 
 Logprobs = list[dict[int, float]]  # per token: {id: logprob}, the top-N highest first, then the token if not among them
 
@@ -43,7 +44,7 @@ class SampledRow:
 @dataclass
 class StepResult:
     rows: dict[int, SampledRow]  # item index -> result, for the items that sample
-    draft_probs: torch.Tensor | None  # [S, k, V] device q of the next drafts (row = `draft_row` of each item)
+    draft_probs: torch.Tensor | None  # the runner's `q_store` when the next drafts have a q (row = `draft_row`)
     draft_row: dict[int, int]  # item index -> row of draft_probs
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)  # item index -> its chunk's prompt tokens
 
@@ -76,8 +77,11 @@ class StepPlan:
     drafts: list[list[int]]
     item_ids: list[list[int]] = field(default_factory=list)  # per item: its chunk, then its drafts
     sampling: list[int] = field(default_factory=list)  # items whose last row yields a token (S of them)
-    K: int = 0  # most drafts any sampling item verifies
-    key: tuple[int, int] | None = None  # the captured graph shape (R, q) the step runs as; None = eager
+    K: int = 0  # draft columns of the verify rows: the most drafts any sampling item verifies (graphs: q - 1)
+    mode: str = "greedy"  # sampling mode of the step (see `cuda_graphs.SAMPLING_MODES`)
+    num_drafts: int = 0  # drafts the drafter proposes per request at the end (graphs: 0 or k, kept: `keep_drafts`)
+    keep_drafts: int = 0  # of which the engine keeps the first
+    key: GraphKey | None = None  # the captured step the step runs as; None = eager
     logits_rows: list[int] = field(default_factory=list)
     next_host: list[int] = field(default_factory=list)  # per row: the token after it (MTP only)
     prompt_items: list[tuple[int, int, int]] = field(default_factory=list)  # (item, first position, rows)
@@ -91,84 +95,129 @@ class StepPlan:
         return [self.items[i].seq.params for i in self.sampling]
 
 
+@dataclass
+class DecodeOutput:
+    """What the device part of a sampling step leaves for the copy back (graph outputs when captured)."""
+
+    tokens: torch.Tensor  # [S, K+1] emitted tokens, -1 after the L + 1 of each request
+    num_accepted: torch.Tensor  # [S] L
+    drafts: torch.Tensor | None = None  # [S, k] next drafts
+    confidences: torch.Tensor | None = None  # [S, k]
+    logits: torch.Tensor | None = None  # [S, K+1, V] (eager steps only: logprobs read them)
+    sampling: SamplingTensors | None = None  # (eager steps only)
+
+
+MODE_FLAGS = {"greedy": (True, False, False), "sample": (False, False, False), "filter": (False, True, True)}
+
+
+def sampling_mode(params: list) -> str:
+    """The step's sampling mode: what the sampler may skip for every request of the step."""
+    if all(sp.greedy for sp in params):
+        return "greedy"
+    return "filter" if any((sp.top_k > 0 or sp.top_p < 1) and not sp.greedy for sp in params) else "sample"
+
+
 class ModelRunner:
-    def __init__(self, model: DeepseekV4Model, proposer=None):
+    def __init__(self, model: DeepseekV4Model, proposer=None, max_num_seqs: int = 256):
         self.model = model
         self.proposer = proposer
         self.device = next(model.parameters()).device
+        self.max_num_seqs = max_num_seqs
         self.cache: KVCache | None = None
         self.sampler = RejectionSampler()
         self.ratios = model.compress_ratios
         self.capture = {} if proposer is None else {"tap_layers": proposer.tap_layers,
                                                     "capture_final_streams": proposer.needs_final_streams}
+        self.drafts_on_device = proposer is not None and proposer.on_device
+        # [max_num_seqs, k, V] fp32 q of the drafts the last step proposed (row = the request's place among that
+        # step's sampling requests); one buffer that every step reads then rewrites, so graphs address it
+        self.q_store: torch.Tensor | None = None
         self.graphs = None  # GraphRunner: decode / verify steps as CUDA graphs (see `cuda_graphs.py`)
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, num_spec_tokens: int, eager: bool = False) -> None:
-        """Decode (q = 1) and verify (q = 1 + num_spec_tokens) steps run as graphs captured now; `eager` builds
-        the same static batches and runs them eagerly (tests of the padding on CPU)."""
+        """Decode (q = 1) and verify (q = 1 + num_spec_tokens) steps run as graphs, captured now for the greedy
+        and plain sampling modes (with and without drafting); `eager` builds the same static steps and runs them
+        eagerly (tests of the padding on CPU)."""
         from sparkspec.engine.cuda_graphs import GraphRunner
 
         query_lens = (1, 1 + num_spec_tokens) if num_spec_tokens else (1,)
-        self.graphs = GraphRunner(self.model, self.cache, self.capture, max_num_seqs, max_model_len, query_lens,
-                                  eager=eager)
-        self.graphs.capture_all()
-
-    def graph_key(self, items: list[ScheduledSeq], drafts: list[list[int]], prompt_items: list):
-        """The captured shape a pure decode / verify step runs as, or None (eager)."""
-        if self.graphs is None or prompt_items or not all(it.num_tokens == 1 and it.samples for it in items):
-            return None
-        return self.graphs.key_for(len(items), 1 + max((len(d) for d in drafts), default=0))
+        self.graphs = GraphRunner(self.cache, self.ratios, self.graph_step, self.dummy_upload, max_num_seqs,
+                                  max_model_len, query_lens, eager=eager,
+                                  preserve=() if self.q_store is None else (self.q_store,))
+        drafts = (0, self.proposer.num_spec_tokens) if self.drafts_on_device else (0,)
+        self.graphs.capture_all([self.graphs.key_for(R, q, mode, d) for R in self.graphs.sizes for q in query_lens
+                                 for mode in ("greedy", "sample") for d in drafts])
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """The pools every block id of the engine's block manager addresses (target and drafter)."""
         self.cache = KVCache(self.model, num_blocks, block_size)
         if self.proposer is not None:
             self.proposer.allocate(num_blocks, block_size, self.device, next(self.model.parameters()).dtype)
+        if self.drafts_on_device:
+            self.q_store = torch.zeros(self.max_num_seqs, self.proposer.num_spec_tokens, self.model.cfg.vocab_size,
+                                       device=self.device)
 
     @torch.inference_mode()
     def execute(
         self,
         items: list[ScheduledSeq],
         drafts: list[list[int]],  # per item: draft tokens verified behind its pending token
-        draft_probs: torch.Tensor | None,  # [S', k', V] q of the drafts from the previous step, or None
+        draft_probs: torch.Tensor | None,  # the q of the previous step's drafts (`q_store`), or None (one-hot)
         draft_rows: list[int],  # per item: its row in draft_probs, -1 = one-hot q (greedy or host drafter)
         num_next_drafts: int,  # k for the device drafter at the end of this step (0 = do not draft)
     ) -> StepResult:
-        """plan (host) -> forward -> accept -> draft -> the one copy back -> read.
+        """plan (host) -> forward -> accept -> draft -> the one copy back -> read. A decode / verify step replays
+        the captured graph of all of it; other steps run the same functions eagerly.
 
-        Logprobs (only when a request of the step asks; host flags): rows 0..L of a request that wants them go
-        through `logprobs_for` (the distribution it samples from, never the drafter's), and prompt rows that
-        score prompt tokens for `prompt_logprobs` (the raw log-softmax: those tokens were not sampled) are added
-        to `logits_rows`; both ride in the step's one copy."""
-        plan = self.plan(items, drafts, draft_rows)
-        batch, out, dev = self.forward(plan)
+        Logprobs (only when a request of the step asks; host flags; such steps run eagerly): rows 0..L of a
+        request that wants them go through `logprobs_for` (the distribution it samples from, never the
+        drafter's), and prompt rows that score prompt tokens for `prompt_logprobs` (the raw log-softmax: those
+        tokens were not sampled) are added to `logits_rows`; both ride in the step's one copy."""
+        p = self.plan(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts)
         down = Download()
-        if plan.prompt_items:  # prompt tokens: the model's raw distribution
+        if p.key is not None:
+            head = self.graphs.pack(p.key, p.item_ids, [it.seq.block_ids for it in items],
+                                    [it.seq.num_cached_tokens for it in items])
+            _, res = self.graphs.run(p.key, to_device(head + p.upload.flat(), self.device))
+            return self.read(p, self.fetch(down, res, len(p.sampling)))
+        batch, out, dev = self.forward(p)
+        if p.prompt_items:  # prompt tokens: the model's raw distribution
             lp = torch.log_softmax(out.logits[dev["prompt_rows"]].float(), -1)
-            down.add("prompt", *gather_logprobs(lp, dev["prompt_next"], plan.num_prompt_top))
-        if not plan.sampling:
-            if self.proposer is not None and self.proposer.on_device:  # a prefill chunk: context only
+            down.add("prompt", *gather_logprobs(lp, dev["prompt_next"], p.num_prompt_top))
+        if not p.sampling:
+            if self.drafts_on_device:  # a prefill chunk: context only
                 empty = batch.positions[:0]
                 self.proposer.observe(StepRows(batch, out, dev["next_ids"], empty, empty, empty, empty, None))
-            return self.read(plan, down.fetch(), None, 0)
-        tokens, num_accepted, st, logits = self.accept(plan, out, dev, draft_probs)
-        down.add("accepted", num_accepted)
-        down.add("tokens", tokens)
-        if plan.logprob_rows:  # rows 0..K of the requests that ask (rows past L are read back but dropped)
-            lp_t, K1 = dev["logprob_rows"], plan.K + 1
-            lp = logprobs_for(logits[lp_t].flatten(0, 1), st.index_select(lp_t).repeat_interleave(K1))
-            down.add("sampled", *gather_logprobs(lp, tokens[lp_t].flatten(), plan.num_top))
-        next_probs, k_next = None, 0
-        if self.proposer is not None and self.proposer.on_device:
-            proposal = self.draft(plan, batch, out, dev, tokens, num_accepted, st, num_next_drafts)
-            if proposal is not None:
-                k_next, next_probs = num_next_drafts, proposal.probs
-                down.add("drafts", proposal.token_ids)
-                if proposal.confidences is not None:
-                    down.add("confidences", proposal.confidences)
-        return self.read(plan, down.fetch(), next_probs, k_next)
+            return self.read(p, down.fetch())
+        res = self.decode(batch, out, dev, len(p.sampling), p.K, p.mode, p.num_drafts)
+        if p.logprob_rows:  # rows 0..K of the requests that ask (rows past L are read back but dropped)
+            lp_t, K1 = dev["logprob_rows"], p.K + 1
+            lp = logprobs_for(res.logits[lp_t].flatten(0, 1), res.sampling.index_select(lp_t).repeat_interleave(K1))
+            down.add("sampled", *gather_logprobs(lp, res.tokens[lp_t].flatten(), p.num_top))
+        return self.read(p, self.fetch(down, res, len(p.sampling)))
 
-    def plan(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int]) -> StepPlan:
+    @staticmethod
+    def fetch(down: Download, res: DecodeOutput, S: int) -> dict:
+        """The one copy back of a sampling step (rows past S are a graph's dummy requests)."""
+        down.add("accepted", res.num_accepted[:S])
+        down.add("tokens", res.tokens[:S])
+        if res.drafts is not None:
+            down.add("drafts", res.drafts[:S])
+            if res.confidences is not None:
+                down.add("confidences", res.confidences[:S])
+        return down.fetch()
+
+    def graph_key(self, p: StepPlan) -> GraphKey | None:
+        """The captured step a pure decode / verify step without logprobs runs as, or None (eager)."""
+        items = p.items
+        if self.graphs is None or p.prompt_items or not all(it.num_tokens == 1 and it.samples for it in items) \
+                or any(sp.logprobs is not None for sp in p.params):
+            return None
+        num_drafts = self.proposer.num_spec_tokens if p.num_drafts else 0
+        return self.graphs.key_for(len(items), 1 + p.K, p.mode, num_drafts)
+
+    def plan(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
+             num_next_drafts: int) -> StepPlan:
         """Host side of a step: rows, logits rows, and every int the device needs, packed by name."""
         p = StepPlan(items, drafts)
         logits_rows, first_lrow, rows = [], {}, 0
@@ -191,79 +240,117 @@ class ModelRunner:
                 p.next_host += after + [0] * (it.num_tokens + len(d) - len(after))
             rows += it.num_tokens + len(d)
         p.logits_rows = logits_rows
+        params = p.params
         p.K = max((len(drafts[i]) for i in p.sampling), default=0)
-        p.key = self.graph_key(items, drafts, p.prompt_items)
+        p.mode = sampling_mode(params)
+        p.num_drafts = p.keep_drafts = num_next_drafts if self.drafts_on_device and p.sampling else 0
+        p.key = self.graph_key(p)
+        S = R = len(p.sampling)
         first = np.cumsum([0] + [len(ids) for ids in p.item_ids]).tolist()  # first forward row of every item
         if p.key is not None:  # the static layout: request i owns rows i·q .. i·q + q - 1, logits for every row
-            R_pad, q = p.key
-            first = [i * q for i in range(len(items) + 1)]
-            first_lrow = {i: i * q for i in p.sampling}
+            R, q = p.key.num_reqs, p.key.q
+            p.K, p.num_drafts = q - 1, p.key.num_drafts
+            first = [i * q for i in range(R + 1)]
+            first_lrow = {i: i * q for i in range(R)}
             if p.next_host:
-                p.next_host = [0] * (R_pad * q)  # decode rows: the token after each row is emitted this step
-        params = p.params
+                p.next_host = [0] * (R * q)  # decode rows: the token after each row is emitted this step
         V = self.model.cfg.vocab_size
         p.logprob_rows = [r for r, sp in enumerate(params) if sp.logprobs is not None]
         p.num_top = min(max((sp.logprobs for sp in params if sp.logprobs is not None), default=0), V)
         p.num_prompt_top = min(max((items[i].seq.params.prompt_logprobs for i, _, _ in p.prompt_items), default=0), V)
+        # per sampling request; a graph's dummy requests (S..R-1) own their rows, sample greedily and verify nothing
+        reqs = p.sampling + list(range(S, R))
+        num_drafts = [len(drafts[i]) for i in p.sampling] + [0] * (R - S)
+        pads = R - S
         up = p.upload
-        up.add("gather", [first_lrow[i] + min(j, len(drafts[i])) for i in p.sampling for j in range(p.K + 1)])
-        up.add("draft_ids", [t for i in p.sampling for t in drafts[i] + [-1] * (p.K - len(drafts[i]))])
-        up.add("q_rows", [draft_rows[i] if drafts[i] else -1 for i in p.sampling])
-        up.add("top_k", [sp.top_k for sp in params])
-        up.add("seeds", [items[i].seq.seed for i in p.sampling])
-        up.add("positions", [items[i].seq.num_cached_tokens + items[i].num_tokens for i in p.sampling])  # d_0's
-        up.add("reqs", p.sampling)
-        up.add("pending_rows", [first[i] + items[i].num_tokens - 1 for i in p.sampling])
-        up.add("floats", float_bits([sp.temperature for sp in params] + [sp.top_p for sp in params]))
+        up.add("gather", [first_lrow[i] + min(j, n) for i, n in zip(reqs, num_drafts) for j in range(p.K + 1)])
+        up.add("draft_ids", [t for i in p.sampling for t in drafts[i] + [-1] * (p.K - len(drafts[i]))]
+               + [-1] * (p.K * pads))
+        up.add("q_rows", [draft_rows[i] if drafts[i] else -1 for i in p.sampling] + [-1] * pads)
+        up.add("top_k", [sp.top_k for sp in params] + [0] * pads)
+        up.add("seeds", [items[i].seq.seed for i in p.sampling] + [0] * pads)
+        up.add("positions", [items[i].seq.num_cached_tokens + items[i].num_tokens for i in p.sampling] + [0] * pads)
+        up.add("reqs", reqs)
+        up.add("pending_rows", [first[i] + (items[i].num_tokens if i < len(items) else 1) - 1 for i in reqs])
+        up.add("temperature", float_bits([sp.temperature for sp in params] + [0.0] * pads))
+        up.add("top_p", float_bits([sp.top_p for sp in params] + [1.0] * pads))
         up.add("next_ids", p.next_host)
-        up.add("logprob_rows", p.logprob_rows)
-        up.add("prompt_rows", prompt_lrows)
-        up.add("prompt_next", prompt_next)
+        if p.key is None:  # eager extras (a graph step has none of them)
+            up.add("logprob_rows", p.logprob_rows)
+            up.add("prompt_rows", prompt_lrows)
+            up.add("prompt_next", prompt_next)
         return p
 
-    def forward(self, p: StepPlan):
-        """The one host->device copy and the target forward (a graph replay for decode steps) ->
-        (batch, output, the uploaded parts by name)."""
-        items = p.items
-        tables = [it.seq.block_ids for it in items]
-        starts = [it.seq.num_cached_tokens for it in items]
-        if p.key is None:
-            ids = [t for row in p.item_ids for t in row]
-            batch = build_batch(self.cache, ids, tables, starts, [len(r) for r in p.item_ids], p.logits_rows,
-                                self.ratios, p.upload.flat())
-            return batch, self.model(batch, **self.capture), p.upload.split(batch._memo["extra"])
-        head = self.graphs.pack(p.key, p.item_ids, tables, starts)
-        flat = to_device(head + p.upload.flat(), self.device)
-        batch, out = self.graphs.run(p.key, flat)
-        return batch, out, p.upload.split(flat[len(head):])
+    def dummy_upload(self, key: GraphKey) -> Upload:
+        """The parts of a step of `key.num_reqs` dummy requests (the static inputs a graph is captured on)."""
+        p = StepPlan([], [])
+        p.key, p.K = key, key.q - 1
+        if self.capture.get("capture_final_streams"):
+            p.next_host = [0] * (key.num_reqs * key.q)
+        R, q, up = key.num_reqs, key.q, p.upload
+        up.add("gather", [i * q for i in range(R) for _ in range(q)])
+        up.add("draft_ids", [-1] * (p.K * R))
+        for name, value in (("q_rows", -1), ("top_k", 0), ("seeds", 0), ("positions", 0)):
+            up.add(name, [value] * R)
+        up.add("reqs", list(range(R)))
+        up.add("pending_rows", [i * q for i in range(R)])
+        up.add("temperature", float_bits([0.0] * R))
+        up.add("top_p", float_bits([1.0] * R))
+        up.add("next_ids", p.next_host)
+        return up
 
-    def accept(self, p: StepPlan, out, dev: dict, draft_probs: torch.Tensor | None):
+    def forward(self, p: StepPlan):
+        """The one host->device copy and the target forward, eagerly -> (batch, output, the uploaded parts)."""
+        items = p.items
+        ids = [t for row in p.item_ids for t in row]
+        batch = build_batch(self.cache, ids, [it.seq.block_ids for it in items],
+                            [it.seq.num_cached_tokens for it in items], [len(r) for r in p.item_ids], p.logits_rows,
+                            self.ratios, p.upload.flat())
+        return batch, self.model(batch, **self.capture), p.upload.split(batch._memo["extra"])
+
+    def graph_step(self, key: GraphKey, batch, dev: dict) -> DecodeOutput:
+        """The body of a captured step: forward, accept, draft (no logits kept: graph steps return no logprobs)."""
+        res = self.decode(batch, self.model(batch, **self.capture), dev, key.num_reqs, key.q - 1, key.mode,
+                          key.num_drafts)
+        res.logits = res.sampling = None
+        return res
+
+    def decode(self, batch, out, dev: dict, S: int, K: int, mode: str, num_drafts: int) -> DecodeOutput:
+        """Accept on every sampling request at once, then the device drafter proposes `num_drafts` after each new
+        pending token (its q goes to `q_store`)."""
+        tokens, num_accepted, st, logits = self.accept(out, dev, S, K, mode)
+        res = DecodeOutput(tokens, num_accepted, logits=logits, sampling=st)
+        if num_drafts:
+            proposal = self.draft(batch, out, dev, tokens, num_accepted, st, K, num_drafts)
+            res.drafts, res.confidences = proposal.token_ids, proposal.confidences
+            if proposal.probs is not None:
+                self.q_store[:S, :num_drafts].copy_(proposal.probs)
+        return res
+
+    def accept(self, out, dev: dict, S: int, K: int, mode: str):
         """The rejection sampler on every sampling request at once -> (tokens [S, K+1], num_accepted [S],
         sampling tensors, logits [S, K+1, V])."""
-        S, K, params = len(p.sampling), p.K, p.params
-        temp_top_p = dev["floats"].view(torch.float64).float()
-        st = SamplingTensors(temp_top_p[:S], dev["top_k"], temp_top_p[S:], dev["seeds"],
-                             all(sp.greedy for sp in params), any(sp.top_k > 0 and not sp.greedy for sp in params),
-                             any(sp.top_p < 1 and not sp.greedy for sp in params))
+        all_greedy, any_top_k, any_top_p = MODE_FLAGS[mode]
+        st = SamplingTensors(dev["temperature"].view(torch.float64).float(), dev["top_k"],
+                             dev["top_p"].view(torch.float64).float(), dev["seeds"], all_greedy, any_top_k, any_top_p)
         logits = out.logits[dev["gather"]].view(S, K + 1, -1)  # [S, K+1, V]
         draft_ids = dev["draft_ids"].view(S, K)
         q = None
-        if K and not st.all_greedy:
+        if K and not all_greedy:
             # q of host drafters and greedy drafts: one-hot (a scatter: F.one_hot checks its range on the host)
-            onehot = logits.new_zeros(S, K, logits.shape[-1]).scatter_(2, draft_ids.clamp(min=0).unsqueeze(2), 1.0)
-            q = onehot
-            if draft_probs is not None:
+            q = logits.new_zeros(S, K, logits.shape[-1]).scatter_(2, draft_ids.clamp(min=0).unsqueeze(2), 1.0)
+            if self.q_store is not None:
                 q_rows = dev["q_rows"]
-                q = torch.where((q_rows >= 0).view(S, 1, 1), draft_probs[q_rows.clamp(min=0), :K].float(), onehot)
+                q = torch.where((q_rows >= 0).view(S, 1, 1), self.q_store[q_rows.clamp(min=0), :K], q)
         tokens, num_accepted = self.sampler(logits, draft_ids, q, st, dev["positions"])  # [S, K+1], [S]
         return tokens, num_accepted, st, logits
 
-    def draft(self, p: StepPlan, batch, out, dev: dict, tokens, num_accepted, st, k: int):
+    def draft(self, batch, out, dev: dict, tokens, num_accepted, st, K: int, k: int):
         """The device drafter sees the step's rows (all written into its context) and drafts k tokens after each
-        new pending token -> its DraftBatch, or None when k = 0."""
+        new pending token -> its DraftBatch."""
         pending_rows, next_ids = dev["pending_rows"], dev["next_ids"]
-        if p.next_host:  # the token after a verify row is the token emitted there (past them: garbage, unread)
-            verify_rows = pending_rows.unsqueeze(1) + torch.arange(p.K + 1, device=tokens.device)  # [S, K+1]
+        if next_ids.numel():  # the token after a verify row is the token emitted there (past them: unread)
+            verify_rows = pending_rows.unsqueeze(1) + torch.arange(K + 1, device=tokens.device)  # [S, K+1]
             ok = tokens >= 0  # j <= L: inside the request's own rows; the rest repeat column 0's write
             rows = torch.where(ok, verify_rows, pending_rows.unsqueeze(1))
             next_ids = next_ids.index_put((rows,), torch.where(ok, tokens, tokens[:, :1]))
@@ -271,14 +358,14 @@ class ModelRunner:
         step = StepRows(batch, out, next_ids, dev["reqs"], pending, dev["positions"] + num_accepted,
                         pending_rows + num_accepted, st)
         self.proposer.observe(step)
-        return self.proposer.propose(step, k) if k else None
+        return self.proposer.propose(step, k)
 
-    def read(self, p: StepPlan, host: dict, next_probs, k_next: int) -> StepResult:
+    def read(self, p: StepPlan, host: dict) -> StepResult:
         """The host copy -> per item: accepted count, emitted tokens, next drafts, logprobs."""
         prompt = self.read_prompt_logprobs(host.get("prompt", []), p.items, p.prompt_items, p.num_prompt_top)
         if not p.sampling:
             return StepResult({}, None, {}, prompt)
-        K1 = p.K + 1
+        K1, k, keep = p.K + 1, p.num_drafts, p.keep_drafts
         L = [int(x) for x in host["accepted"][0]]
         toks = host["tokens"][0]
         nxt = host["drafts"][0] if "drafts" in host else []
@@ -291,8 +378,9 @@ class ModelRunner:
             if r in lp_of:
                 lps = logprob_dicts(emitted, host["sampled"], lp_of[r] * K1, min(p.params[r].logprobs, p.num_top),
                                     p.num_top)
-            rows[i] = SampledRow(L[r], emitted, [int(t) for t in nxt[r * k_next : (r + 1) * k_next]],
-                                 conf[r * k_next : (r + 1) * k_next] if conf else None, lps)
+            rows[i] = SampledRow(L[r], emitted, [int(t) for t in nxt[r * k : r * k + keep]],
+                                 conf[r * k : r * k + keep] if conf else None, lps)
+        next_probs = self.q_store if k and p.mode != "greedy" else None
         return StepResult(rows, next_probs, {i: r for r, i in enumerate(p.sampling)}, prompt)
 
     @staticmethod

@@ -33,7 +33,7 @@ class SpecRunner:
         self.num_spec_tokens = self.proposer.num_spec_tokens
         self.budget: VerificationBudget | None = None
         self._skipped = 0
-        self.draft_probs: torch.Tensor | None = None  # [S, k, V] q of the drafts proposed by the last step
+        self.draft_probs: torch.Tensor | None = None  # [S, k, V] q of drafts (the runner's `q_store`), row per seq
 
     def start(self, runner) -> None:
         """Once the pools exist: measure (or load) the step costs the adaptive budget decides from."""
@@ -86,8 +86,16 @@ class SpecRunner:
             stats.record_spec(num_drafts, num_accepted)
 
     def keep(self, seq: Sequence, drafts: list[int], confidences: list[float] | None, row: int) -> None:
-        seq.spec.draft_ids, seq.spec.confidences = drafts, confidences
-        seq.spec.draft_row = row if self.draft_probs is not None else -1
+        """`row`: where the drafts' q sits in `draft_probs` (-1: one-hot, greedy or host drafts)."""
+        seq.spec.draft_ids, seq.spec.confidences, seq.spec.draft_row = drafts, confidences, row
+
+    @staticmethod
+    def forget_overwritten(running: list[Sequence], sampled: set[Sequence]) -> None:
+        """A step that proposed with q rewrote the rows of `draft_probs`: requests that did not sample in it
+        (the token budget ran out before them) drop their drafts, whose q is gone. They draft afresh."""
+        for seq in running:
+            if seq not in sampled and seq.spec.draft_row >= 0:
+                seq.spec.draft_ids, seq.spec.draft_row, seq.spec.confidences = [], -1, None
 
     def propose_host(self, seqs: list[Sequence], k: int) -> None:
         """Host drafters (n-gram, tests) draft from the committed token ids."""

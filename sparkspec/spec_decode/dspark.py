@@ -39,6 +39,9 @@ class DSparkProposer(Proposer):
         D = self.target.cfg.head_dim
         self.pools = [torch.zeros((num_blocks + 1) * block_size + 1, D, dtype=dtype, device=device)
                       for _ in range(self.drafter.num_layers)]
+        head = self.drafter.last.confidence_head
+        if head is not None and head.temperature is not None:  # read inside captured steps: no copy there
+            head.temperature = head.temperature.to(device)
 
     def observe(self, step: StepRows) -> None:
         b = step.batch
