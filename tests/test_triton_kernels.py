@@ -25,10 +25,11 @@ try:
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
     from sparkspec.ops.triton_kernels import attention as tri_attn
     from sparkspec.ops.triton_kernels import mhc as tri_mhc
+    from sparkspec.ops.triton_kernels import rope as tri_rope
 except ImportError as exc:  # triton missing here
     pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
 
-from sparkspec.ops import attention, indices, mhc  # noqa: E402
+from sparkspec.ops import attention, indices, mhc, rope  # noqa: E402
 from sparkspec.ops.registry import _ACCEL  # noqa: E402
 
 WINDOW = 8  # small sliding window so that rows cross the window edge in a few tokens
@@ -179,9 +180,61 @@ def test_mhc_preconditions_are_messages():
                         torch.zeros(24, device=DEVICE), 1e-6, 1e-6, 3)
 
 
+# --------------------------------------------------------------------------------------- RMS norm and RoPE
+
+def _rotation(T: int, half: int, gen) -> torch.Tensor:
+    angles = torch.rand(T, half, generator=gen) * 20 - 10
+    return torch.polar(torch.ones_like(angles), angles).to(DEVICE)  # [T, R/2] complex64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "noweight"])
+@pytest.mark.parametrize("shape", [(7, 96), (3, 5, 40), (1, 1000)])  # widths off the block sizes; a 1-row tile
+def test_rms_norm(shape, weighted, dtype):
+    gen = _seeded(11)
+    x = _randn(*shape, gen=gen, dtype=dtype, scale=3.0)
+    w = _randn(shape[-1], gen=gen) if weighted else None
+    got = tri_rope.rms_norm(x, w, 1e-6)
+    assert got.dtype == dtype
+    assert_close(got, rope.rms_norm(x.float(), w, 1e-6))
+    assert tri_rope.rms_norm(x, w, 1e-6, torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("norm", ["none", "plain", "weighted"])
+@pytest.mark.parametrize("shape,half", [((5, 3, 24), 4), ((9, 16), 8), ((4, 2, 2, 12), 2)])  # all rotary: 16 / 16
+def test_rope(shape, half, norm, inverse, dtype):
+    gen = _seeded(12)
+    x = _randn(*shape, gen=gen, dtype=dtype)
+    rot = _rotation(shape[0], half, gen)
+    w = _randn(shape[-1], gen=gen) if norm == "weighted" else None
+    eps = None if norm == "none" else 1e-6
+    got = tri_rope.rope(x, rot, inverse, w, eps)
+    assert got.dtype == dtype
+    assert_close(got, rope.rope(x.float(), rot, inverse, w, eps))
+
+
+def test_rope_strided_input_and_fp32_output_of_bf16():
+    gen = _seeded(13)
+    x = _randn(6, 8, 32, gen=gen, dtype=torch.bfloat16)[:, ::2]  # every other head
+    rot = _rotation(6, 8, gen)
+    got = tri_rope.rope(x, rot, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, rope.rope(x, rot, out_dtype=torch.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_rope_preconditions_are_messages():
+    x = torch.zeros(3, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="rot must be complex"):
+        tri_rope.rope(x, torch.zeros(3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="exceed the row width"):
+        tri_rope.rope(x, _rotation(3, 9, _seeded(0)))
+
+
 # --------------------------------------------------------------------------------------- dispatch
 
-@pytest.mark.parametrize("name", ["sparse_attention", "mhc_pre", "mhc_post", "hc_head"])
+@pytest.mark.parametrize("name", ["sparse_attention", "mhc_pre", "mhc_post", "hc_head", "rope", "rms_norm"])
 def test_registered_for_every_accelerator(name):
     for platform in ("cuda", "rocm", "xpu"):
         assert (platform, name) in _ACCEL, f"{name} has no Triton version for {platform}"

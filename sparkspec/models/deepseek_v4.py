@@ -34,8 +34,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """In fp32 whatever the input dtype (one fused op where the build has it, not five)."""
-        return F.rms_norm(x.float(), (x.shape[-1],), fp32_weight(self), self.eps).to(x.dtype)
+        """In fp32 whatever the input dtype, rounded once to x.dtype (`ops.rms_norm`: one launch)."""
+        return ops.rms_norm(x, fp32_weight(self), self.eps)
 
 
 def fp32_weight(*modules: nn.Module) -> torch.Tensor:
@@ -61,10 +61,6 @@ def head_logits(head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
     return all_gather_last(F.linear(h, fp32_weight(head)), getattr(head, "tp", None))
 
 
-def rms_noweight(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-
 class Rotary(nn.Module):
     """GPT-J (interleaved pairs) RoPE on the last `dim` features."""
 
@@ -81,29 +77,21 @@ class Rotary(nn.Module):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, R/2]
         return torch.polar(torch.ones_like(freqs), freqs)
 
-    def rotations(self, batch: ForwardBatch, key, positions_fn) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rotation, its inverse) at positions_fn(), computed once per forward for every layer that shares this
-        module's frequencies (`batch.memo`)."""
+    def rotations(self, batch: ForwardBatch, key, positions_fn) -> torch.Tensor:
+        """The rotation at positions_fn(), computed once per forward for every layer that shares this module's
+        frequencies (`batch.memo`); `ops.rope` inverts it by `inverse=True`."""
+        return batch.memo(("rotation", self.freq_key, key), lambda: self.rotation(positions_fn()))
 
-        def make():
-            rot = self.rotation(positions_fn())
-            return rot, rot.conj().resolve_conj()
-
-        return batch.memo(("rotation", self.freq_key, key), make)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
-              rot: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, ..., F] with the rotary dims last; positions [T] (or `rot`, their rotation from `rotations`,
-        already inverted when `inverse`). Each interleaved pair (even, odd) is the complex number even + i·odd,
-        rotated by one complex multiply (the inverse by the conjugate)."""
-        if rot is None:
-            rot = self.rotation(positions)
-            rot = rot.conj() if inverse else rot
-        rot = rot.view([rot.shape[0]] + [1] * (x.dim() - 2) + [rot.shape[1]])
-        nope, rope = x[..., : -self.dim], x[..., -self.dim :]
-        pairs = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2)).contiguous())  # [T, ..., R/2]
-        rotated = torch.view_as_real(pairs * rot).flatten(-2)
-        return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+    def apply(self, x: torch.Tensor, positions: torch.Tensor | None, inverse: bool = False,
+              rot: torch.Tensor | None = None, norm: RMSNorm | float | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x: [T, ..., F] with the rotary dims last; positions [T] (or `rot`, their rotation from `rotations`).
+        `norm`: an RMSNorm (or the eps of an unweighted one) applied to each row first, fused with the rotation
+        (`ops.rope`: one launch, one rounding to `out_dtype`, default x.dtype)."""
+        rot = self.rotation(positions) if rot is None else rot
+        if isinstance(norm, RMSNorm):
+            return ops.rope(x, rot, inverse, fp32_weight(norm), norm.eps, out_dtype)
+        return ops.rope(x, rot, inverse, None, norm, out_dtype)
 
 
 class Compressor(nn.Module):
@@ -130,18 +118,18 @@ class Compressor(nn.Module):
         score_pool: torch.Tensor,  # [N·bs + 1, c·d] fp32
         plan: Emission,  # which entries this step closes and which state rows each pools
         rotary: Rotary,
-        rot: torch.Tensor | None = None,  # [M, R/2] rotation at the entries' positions (computed if None)
+        rot: torch.Tensor,  # [M, R/2] rotation at the entries' first positions j·r
+        out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        """Entries j -> [M, d] fp32, pooling positions j·r .. j·r + r - 1 (and, for overlapping windows, the first
-        half of positions (j-1)·r .. j·r - 1)."""
+        """Entries j -> [M, d] out_dtype, pooling positions j·r .. j·r + r - 1 (and, for overlapping windows, the
+        first half of positions (j-1)·r .. j·r - 1); normalised and rotated in fp32, rounded once."""
         r, d = self.ratio, self.head_dim
         kv, score = kv_pool[plan.gather], score_pool[plan.gather]  # [M, span, c·d]
         if self.overlap:  # previous window contributes its first half, the current one its second half
             kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
             score = torch.cat([score[:, :r, :d].masked_fill(plan.missing[:, :r].unsqueeze(-1), float("-inf")),
                                score[:, r:, d:]], dim=1)
-        pooled = self.norm(ops.compress_pool(kv, score))
-        return rotary.apply(pooled, plan.last + 1 - r, rot=rot)
+        return rotary.apply(ops.compress_pool(kv, score), None, rot=rot, norm=self.norm, out_dtype=out_dtype)
 
 
 class Indexer(nn.Module):
@@ -187,18 +175,17 @@ class Attention(nn.Module):
         """-> (q [T, h, D] normalised + RoPE, q_lora [T, q_lora_rank])."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
-        q = rms_noweight(q, self.cfg.rms_norm_eps)
-        return self.rotary.apply(q, positions, rot=rot), qr
+        return self.rotary.apply(q, positions, rot=rot, norm=self.cfg.rms_norm_eps), qr
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None) -> torch.Tensor:
         """-> kv [T, D]: the shared K = V latent, normalised, RoPE at `positions`."""
-        return self.rotary.apply(self.kv_norm(self.wkv(x)), positions, rot=rot)
+        return self.rotary.apply(self.wkv(x), positions, rot=rot, norm=self.kv_norm)
 
-    def project_out(self, o: torch.Tensor, positions: torch.Tensor, rot_inv: torch.Tensor | None = None
+    def project_out(self, o: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None
                     ) -> torch.Tensor:
-        """o [T, h, D] -> inverse RoPE -> grouped wo_a -> wo_b -> [T, H]."""
+        """o [T, h, D] -> inverse RoPE (`rot`: the rotation at `positions`) -> grouped wo_a -> wo_b -> [T, H]."""
         T, g = o.shape[0], self.wo_a.weight.shape[0] // self.cfg.o_lora_rank  # this rank's groups (all: 1 rank)
-        o = self.rotary.apply(o, positions, inverse=True, rot=rot_inv).reshape(T, g, -1)  # [T, g, h·D/g]
+        o = self.rotary.apply(o, positions, inverse=True, rot=rot).reshape(T, g, -1)  # [T, g, h·D/g]
         w = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)  # [g, o_lora, h·D/g]
         z = torch.einsum("tgi,goi->tgo", o, w).reshape(T, -1)
         return all_reduce(self.wo_b(z), self.tp)  # tensor parallel: each rank holds some heads' share
@@ -210,22 +197,22 @@ class Attention(nn.Module):
         only depends on the ratio is computed once per forward and shared by the layers (`batch.memo`)."""
         pos, req, r = batch.positions, batch.req_idx, self.ratio
         pools = batch.cache.layers[self.layer_id]
-        rot, rot_inv = self.rotary.rotations(batch, "tokens", lambda: pos)
+        rot = self.rotary.rotations(batch, "tokens", lambda: pos)
         q, qr = self.project_q(x, pos, rot)
         store(pools["attn"], batch.token_rows(r), self.project_kv(x, pos, rot))
         topk, num_compressed = None, 0
         if self.compressor is not None:
             plan = batch.emission(r, 2 * r if self.compressor.overlap else r)
             self.store_states(self.compressor, pools["comp_kv"], pools["comp_score"], x, batch)
-            entry_rot = self.rotary.rotations(batch, ("entries", r), lambda: plan.last + 1 - r)[0]
+            entry_rot = self.rotary.rotations(batch, ("entries", r), lambda: plan.last + 1 - r)
             store(pools["attn"], plan.attn_rows, self.compressor.emit(pools["comp_kv"], pools["comp_score"], plan,
-                                                                      self.rotary, entry_rot))
+                                                                      self.rotary, entry_rot, pools["attn"].dtype))
             num_compressed = batch.max_seq_len // r
         if self.indexer is not None:
             ix = self.indexer
             self.store_states(ix.compressor, pools["idx_kv"], pools["idx_score"], x, batch)
             store(pools["idx_keys"], plan.key_rows, ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan,
-                                                                       self.rotary, entry_rot))
+                                                                       self.rotary, entry_rot, pools["idx_keys"].dtype))
             iq = self.rotary.apply(ix.wq_b(qr).view(x.shape[0], ix.n_heads, ix.head_dim), pos, rot=rot)
             iw = ix.weights_proj(x).float() * ix.n_heads ** -0.5
             keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed))]
@@ -235,7 +222,7 @@ class Attention(nn.Module):
         else:  # sliding and heavily compressed layers: the same lists for every layer of the ratio
             indices = batch.memo(("indices", r), lambda: self.indices(batch, None, num_compressed))
         o = ops.sparse_attention(q, pools["attn"], indices, self.attn_sink, self.scale)
-        return self.project_out(o, pos, rot_inv)
+        return self.project_out(o, pos, rot)
 
     def indices(self, batch: ForwardBatch, topk: torch.Tensor | None, num_compressed: int) -> torch.Tensor:
         return ops.paged_attention_indices(batch.positions, batch.req_idx, batch.block_tables, batch.block_size,
@@ -402,7 +389,7 @@ class DeepseekV4Model(nn.Module):
             hidden=hidden,
         )
 
-    def keep_fp32(self) -> "DeepseekV4Model":
+    def keep_fp32(self) -> DeepseekV4Model:
         """Cast mHC, sink, ape and router-bias parameters back to fp32 after a `.to(bf16)`."""
         for name, p in self.named_parameters():
             if name.endswith(FP32_PARAM_SUFFIXES) or "norm" in name.split(".")[-2:-1]:
