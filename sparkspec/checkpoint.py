@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from sparkspec.config import ModelConfig
 from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, DeepseekV4Model
+from sparkspec.models.quant import Quantized
 from sparkspec.models.weights import (
     CheckpointError,
     TensorSource,
@@ -38,6 +39,10 @@ __all__ = ["CheckpointError", "LoadStats", "LoadedCheckpoint", "init_checkpoint"
            "resolve_dtype", "write_checkpoint"]
 
 DrafterKind = Literal["dspark", "mtp", "both"]
+# what happens to FP8 / FP4 checkpoint weights: "keep" them quantised in the layers that can compute on them
+# (`models.quantized`), "dequantize" them to the load dtype, or "auto": keep on accelerators, dequantise on CPU
+Quantization = Literal["auto", "keep", "dequantize"]
+QUANTIZATIONS = ("auto", "keep", "dequantize")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -88,6 +93,7 @@ class LoadedCheckpoint:
     drafter_tensors: dict[str, torch.Tensor]
     path: Path
     load_stats: LoadStats | None = None
+    kept_quantized: tuple[str, ...] = ()  # layers holding FP8 / FP4 weights as stored (`models.quantized`)
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -117,8 +123,18 @@ def read_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer | None:
 
 def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
                     dtype: str | torch.dtype | None = None, progress: bool = False, parallel=None,
-                    expert_parallel: bool = False) -> LoadedCheckpoint:
-    """Load a checkpoint directory into a target model (official or transformers tensor names; FP8/FP4 dequantised).
+                    expert_parallel: bool = False, quantization: Quantization = "auto") -> LoadedCheckpoint:
+    """Load a checkpoint directory into a target model (official or transformers tensor names).
+
+    `quantization`: what becomes of FP8 / FP4 weights. "keep": the layers that compute on them
+    (`models.quantized`: attention and shared-expert projections in FP8, routed experts in FP4) hold them as
+    stored, at 1 (FP8) or ~0.53 (FP4) bytes a weight; every other quantised tensor is dequantised to `dtype`;
+    a tensor-parallel slice of a kept weight must fall on its scale blocks (else a `CheckpointError` naming the
+    tensor). "dequantize": every FP8 / FP4 tensor is dequantised to `dtype`. "auto" (default): "keep" on
+    accelerators, where the kept layers run fused kernels (slices off the blocks are then dequantised instead of
+    refused), and "dequantize" on the CPU, where computing on quantised weights means dequantising every call.
+    A checkpoint without quantised tensors loads the same whatever the choice. `kept_quantized` lists the kept
+    layers.
 
     Parameters that the model keeps in fp32 (mHC, sinks, ape, router bias, `norm` modules) stay fp32 whatever
     `dtype` is. The model is built on the meta device and every tensor is streamed from the shards straight into
@@ -133,6 +149,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
     start, rss_start, peak_source = time.perf_counter(), _rss_bytes("VmRSS"), _reset_peak_rss()
     path = Path(path)
     dtype = resolve_dtype(dtype)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization = {quantization!r}: expected one of {QUANTIZATIONS}")
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
     cfg = read_config(path)
@@ -149,6 +167,12 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
                   {n: src.shape for n, src in plan.items()}, str(path))
     if parallel is not None and parallel.world_size > 1:
         targets, plan = _shard_plan(model, plan, parallel, expert_parallel)
+    kept: list[str] = []
+    if quantization == "keep" or (quantization == "auto" and device.type != "cpu"):
+        from sparkspec.models.quantized import keep_quantized_
+
+        kept = keep_quantized_(model, plan, strict=quantization == "keep")
+        targets = _targets(model)
     drafter_tensors = _stream_into(model, targets, plan, device, dtype, path, progress)
     _move_computed(model, device)
     _check_materialised(model)
@@ -156,7 +180,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None,
     peak = _rss_bytes("VmHWM") if peak_source == "VmHWM" else _maxrss_bytes()
     stats = LoadStats(time.perf_counter() - start, sum(src.nbytes for src in plan.values()),
                       max(peak - rss_start, 0), peak_source)
-    return LoadedCheckpoint(model, cfg, tokenizer, drafter_tensors, path, stats)
+    return LoadedCheckpoint(model, cfg, tokenizer, drafter_tensors, path, stats, tuple(kept))
 
 
 def _shard_plan(model: DeepseekV4Model, plan: dict[str, TensorSource], pg, expert_parallel: bool
@@ -233,7 +257,10 @@ def _stream_into(model: DeepseekV4Model, targets: dict[str, torch.Tensor], plan:
 
     drafter: dict[str, torch.Tensor] = {}
     for name, t in stream_tensors(plan, place, progress=progress):
-        if name in targets:
+        if isinstance(t, Quantized):  # a kept layer's weight: codes and scales installed side by side
+            assign_tensor(model, name, t.data)
+            assign_tensor(model, name.removesuffix("weight") + "scale", t.scale)
+        elif name in targets:
             if name.endswith("tid2eid"):
                 _check_tid2eid(model.cfg, name, t, path)
             assign_tensor(model, name, t)

@@ -10,6 +10,10 @@ Accepted tensor names:
 Reading is planned from the shards' headers first (`plan_tensors`: names, dtypes, shapes, scale pairing; every
 check that needs no tensor data fails here, before a byte of weights is read), then streamed one tensor at a
 time (`stream_tensors`), so a loader never holds more than one tensor of the file in host memory.
+
+A quantised tensor is dequantised where it is placed, unless its placement asks for its stored format
+(`KEPT_DTYPES`): it then arrives as `Quantized(data, scale)` (FP8 codes with fp32 block scales, FP4 packed bytes
+with e8m0 exponent bytes), and a cut of it must fall on whole scale blocks (`keep_problem`).
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from safetensors import SafetensorError, safe_open
 from sparkspec.models.quant import (
     FP4_BLOCK,
     FP8_BLOCK,
+    Quantized,
     dequant_fp4,
     dequant_fp8_block,
+    e8m0_bytes,
     fp4_scale_shape,
     fp8_scale_shape,
+    scale_to_float,
 )
 
 # (pattern, replacement) applied in order to names that are not official yet
@@ -162,6 +169,26 @@ class TensorSource:
         size = getattr(self.dtype, "itemsize", 0) * _numel(self.row_shape)
         size = size // 2 if self.half is not None else size
         return size + (self.scale.nbytes if self.scale is not None else 0)
+
+
+def keep_problem(src: TensorSource) -> str | None:
+    """Why `src` cannot arrive in its stored format (None: it can): not quantised, half of a fused tensor, or a
+    tensor-parallel cut whose ends are not on scale-block boundaries (a kept block needs all of its values)."""
+    if src.quant is None:
+        return "it is not quantised"
+    if src.quant == "fp8" and src.dtype != torch.float8_e4m3fn:
+        return f"it is stored as {src.dtype}, the kept format is float8_e4m3fn"
+    if src.half is not None:
+        return "it is half of a fused gate_up tensor"
+    if src.cut is None:
+        return None
+    dim, start, stop = src.cut
+    block, pack = _block(src, dim)
+    full = _full_dim(src, dim)
+    if start % block or (stop % block and stop != full) or start % pack or (stop - start) % pack:
+        return (f"this rank's slice {start}:{stop} of dim {dim} (of {full}) does not fall on the "
+                f"{block}-wide scale blocks")
+    return None
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -315,9 +342,10 @@ Placement = Callable[[str], tuple[torch.device, torch.dtype | None]]  # name -> 
 
 
 def stream_tensors(plan: dict[str, TensorSource], place: Placement,
-                   progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                   progress: bool = False) -> Iterator[tuple[str, torch.Tensor | Quantized]]:
     """Yield (name, tensor) for every entry of `plan`, shard by shard, each tensor an owned copy on its
-    `place(name)` device and dtype (FP8 / FP4 dequantised there; None: fp32 when quantised, else as stored)."""
+    `place(name)` device and dtype (FP8 / FP4 dequantised there; None: fp32 when quantised, else as stored;
+    a quantised tensor placed in `KEPT_DTYPES` arrives as `Quantized`)."""
     from tqdm import tqdm
 
     by_file: dict[Path, list[str]] = {}
@@ -393,7 +421,11 @@ def _read_cut(sf, f: Path, name: str, src: TensorSource, place: Placement) -> to
             with _open(src.scale.file) as other:
                 scale = _read_index(other, src.scale.file, src.scale.key, region.scale_index).clone()
     device, dtype = place(name)
+    if dtype in KEPT_DTYPES and keep_problem(src) is not None:
+        raise CheckpointError(f"tensor '{name}' cannot stay quantised: {keep_problem(src)}")
     t = materialise(name, replace(src, cut=None), raw, scale, device, dtype)
+    if isinstance(t, Quantized):  # on whole blocks: the region is the cut
+        return t
     dim, start, stop = src.cut
     if t.shape[dim] == stop - start:
         return t
@@ -415,10 +447,23 @@ def _read_scale(sf, f: Path, scale: TensorSource) -> torch.Tensor:
         return _read(other, scale.file, scale.key).clone()
 
 
+KEPT_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # a placement in these keeps FP8 / FP4 as stored
+
+
 def materialise(name: str, src: TensorSource, raw: torch.Tensor, scale: torch.Tensor | None,
-                device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+                device: torch.device, dtype: torch.dtype | None) -> torch.Tensor | Quantized:
     """An owned tensor on `device` in `dtype`. Quantised data crosses to the device as stored (1 byte or half
-    a byte a value) and is dequantised there, straight to `dtype`; plain data is cast on the device too."""
+    a byte a value) and is dequantised there, straight to `dtype`; plain data is cast on the device too. A
+    quantised tensor placed in `KEPT_DTYPES` stays as stored: `Quantized(data, scale)`, FP8 with fp32 scales,
+    FP4 as uint8 bytes with e8m0 exponent bytes."""
+    if src.quant is not None and dtype in KEPT_DTYPES:
+        if src.quant == "fp8":
+            return Quantized(raw.to(device, copy=True), scale_to_float(scale.to(device, copy=True)))
+        try:
+            exponents = e8m0_bytes(scale.to(device, copy=True), name)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        return Quantized(raw.to(device, copy=True).view(torch.uint8), exponents)
     if src.quant is not None:
         w, s, dtype = raw.to(device), scale.to(device), dtype or torch.float32
         return dequant_fp8_block(w, s, name, dtype) if src.quant == "fp8" else dequant_fp4(w, s, name, dtype)

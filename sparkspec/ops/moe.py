@@ -1,4 +1,10 @@
-"""MoE routing and expert compute. Legend: T tokens, H hidden, E experts, A active experts, I expert width."""
+"""MoE routing and expert compute. Legend: T tokens, H hidden, E experts, A active experts, I expert width.
+
+Routed experts are stacked once per layer (`expert_weights`): bf16 / fp32 tensors, or, for experts kept in FP4
+(`models.quantized.Fp4Linear`), `Quantized` stacks of packed e2m1 bytes [E, out, in/2] and e8m0 scales
+[E, out, in/32]. `moe_experts` takes either: the native dequantises the FP4 stacks and runs the bf16 path
+(the oracle), the accelerated version dequantises tiles inside its Triton grouped GEMM.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from sparkspec.models.quant import Quantized
 from sparkspec.ops.registry import accelerated, native
+
+Weights = torch.Tensor | Quantized  # a stack of expert weights: plain, or FP4 codes with their scales
 
 
 def score_fn(logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -47,15 +56,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def _stack(experts: Sequence[torch.nn.Module], attr: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2I, ...] with rows 0..I-1 from w1 and I..2I-1 from w3, w2 [E, H, ...]) of parameter `attr`."""
+    w13 = torch.stack([torch.cat([getattr(e.w1, attr), getattr(e.w3, attr)], dim=0) for e in experts])
+    return w13, torch.stack([getattr(e.w2, attr) for e in experts])
+
+
+def is_fp4(experts: Sequence[torch.nn.Module]) -> bool:
+    """The experts hold FP4 codes (`Fp4Linear`: uint8 `weight` with a `scale`)."""
+    return experts[0].w1.weight.dtype == torch.uint8
+
+
 def stack_experts(
     experts: Sequence[torch.nn.Module],  # E modules with .w1 [I, H] gate, .w2 [H, I] down, .w3 [I, H] up Linears
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (w13 [E, 2I, H] with rows 0..I-1 = w1 and I..2I-1 = w3, w2 [E, H, I]): copies, differentiable."""
-    w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight], dim=0) for e in experts])
-    return w13, torch.stack([e.w2.weight for e in experts])
+) -> tuple[Weights, Weights]:
+    """-> (w13 [E, 2I, H] with rows 0..I-1 = w1 and I..2I-1 = w3, w2 [E, H, I]): copies, differentiable; for
+    FP4 experts `Quantized` stacks (codes [E, ., ./2] and scales [E, ., ./32] stacked the same way)."""
+    w13, w2 = _stack(experts, "weight")
+    if not is_fp4(experts):
+        return w13, w2
+    s13, s2 = _stack(experts, "scale")
+    return Quantized(w13, s13), Quantized(w2, s2)
 
 
-def stack_experts_(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_experts_(moe: torch.nn.Module) -> tuple[Weights, Weights]:
     """Stack `moe.experts` once and re-point each expert's parameters to views of the stacks (no copy kept).
 
     Parameter names, values and `state_dict()` are unchanged, and in-place loads (`p.copy_`) land in the
@@ -64,15 +88,19 @@ def stack_experts_(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.inference_mode(False), torch.no_grad():  # normal tensors even when called from inference
         w13, w2 = stack_experts(moe.experts)
         inter = w2.shape[2]
-        for i, e in enumerate(moe.experts):
-            e.w1.weight.data = w13[i, :inter]
-            e.w3.weight.data = w13[i, inter:]
-            e.w2.weight.data = w2[i]
+        parts = [(w13, w2, "weight")]
+        if isinstance(w13, Quantized):
+            parts = [(w13.data, w2.data, "weight"), (w13.scale, w2.scale, "scale")]
+        for s13, s2, attr in parts:
+            for i, e in enumerate(moe.experts):
+                getattr(e.w1, attr).data = s13[i, :inter]
+                getattr(e.w3, attr).data = s13[i, inter:]
+                getattr(e.w2, attr).data = s2[i]
     moe._stacked_experts = (w13, w2)  # a plain attribute: not in state_dict, not moved by .to()
     return w13, w2
 
 
-def expert_weights(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_weights(moe: torch.nn.Module) -> tuple[Weights, Weights]:
     """(w13 [E, 2I, H], w2 [E, H, I]) of `moe.experts` for `moe_experts`.
 
     Training (grad enabled and the weights require grad): a differentiable stack per call. Otherwise the
@@ -87,13 +115,13 @@ def expert_weights(moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return stacked
 
 
-def _shares(stacked: tuple[torch.Tensor, torch.Tensor], experts: Sequence[torch.nn.Module]) -> bool:
-    w13, w2 = stacked
+def _shares(stacked: tuple[Weights, Weights], experts: Sequence[torch.nn.Module]) -> bool:
+    w13, w2 = (w.data if isinstance(w, Quantized) else w for w in stacked)
     first, last = experts[0], experts[-1]
     return (len(experts) == w13.shape[0] and first.w1.weight.data_ptr() == w13.data_ptr()
             and first.w1.weight.dtype == w13.dtype and first.w1.weight.device == w13.device
             and last.w2.weight.data_ptr() == w2[-1].data_ptr()
-            and last.w3.weight.data_ptr() == w13[-1, w2.shape[2]:].data_ptr())
+            and last.w3.weight.data_ptr() == w13[-1, first.w1.weight.shape[0]:].data_ptr())
 
 
 def sort_by_expert(
@@ -135,8 +163,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 @native("moe_experts")
 def moe_experts(
     x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H] rows 0..I-1 gate (w1), I..2I-1 up (w3)
-    w2: torch.Tensor,  # [E, H, I] down
+    w13: Weights,  # [E, 2I, H] rows 0..I-1 gate (w1), I..2I-1 up (w3)
+    w2: Weights,  # [E, H, I] down
     weights: torch.Tensor,  # [T, A] fp32
     ids: torch.Tensor,  # [T, A] int64
     limit: float,
@@ -144,10 +172,13 @@ def moe_experts(
     """Σ_a weights[t, a] · w2[e] swiglu(w1[e] x[t], w3[e] x[t]), e = ids[t, a] -> [T, H] (x.dtype).
 
     No host sync and a torch-op count fixed by the shapes' path: (token, slot) pairs sorted by expert and two
-    `torch._grouped_mm` (where `grouped_mm_ok`), else every expert on every token (`_moe_dense`)."""
+    `torch._grouped_mm` (where `grouped_mm_ok`), else every expert on every token (`_moe_dense`). FP4 stacks
+    are dequantised to the compute dtype first (rounded once from the fp32 product: what loading them
+    dequantised gives)."""
     T, A = ids.shape
     E, H, I = w2.shape
     dt = _compute_dtype(x)
+    w13, w2 = (w.dequantize(dt) if isinstance(w, Quantized) else w for w in (w13, w2))
     xc, w13, w2 = x.to(dt), w13.to(dt), w2.to(dt)  # no-ops unless autocast
     if T == 0 or not grouped_mm_ok(dt, x.device, H, I):
         return _moe_dense(xc, w13, w2, weights, ids, limit).to(x.dtype)
@@ -164,16 +195,19 @@ _TRITON_MAX_PAIRS = 256  # T·A up to this: the Triton kernel beats torch._group
 @accelerated("moe_experts", "cuda", "rocm", "xpu")
 def moe_experts_accelerated(
     x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
+    w13: Weights,  # [E, 2I, H]
+    w2: Weights,  # [E, H, I]
     weights: torch.Tensor,  # [T, A] fp32
     ids: torch.Tensor,  # [T, A] int64
     limit: float,
 ) -> torch.Tensor:
-    """The Triton grouped GEMM for decode sizes (T·A <= 256) and where `torch._grouped_mm` is not usable; the
-    native (`torch._grouped_mm`) for larger batches, for CPU tensors, when autograd needs it, or without triton."""
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad)
-    big = ids.numel() > _TRITON_MAX_PAIRS and grouped_mm_ok(_compute_dtype(x), x.device, *w2.shape[1:])
+    """The Triton grouped GEMM for decode sizes (T·A <= 256), where `torch._grouped_mm` is not usable, and for
+    FP4 stacks at any size (dequantised tile by tile); the native (`torch._grouped_mm`) for larger plain
+    batches, for CPU tensors, when autograd needs it, or without triton."""
+    fp4 = isinstance(w13, Quantized)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
+        w.requires_grad for w in (w13, w2) if not isinstance(w, Quantized)))
+    big = not fp4 and ids.numel() > _TRITON_MAX_PAIRS and grouped_mm_ok(_compute_dtype(x), x.device, *w2.shape[1:])
     if x.device.type == "cpu" or needs_grad or big or torch.is_autocast_enabled(x.device.type):
         return moe_experts(x, w13, w2, weights, ids, limit)
     try:

@@ -8,6 +8,8 @@ min(P, ceil(P / BLOCK_M) + E), spare programs find no block and exit):
   1. `_moe_up_kernel`: act = swiglu(x[token] · w1[e]ᵀ, x[token] · w3[e]ᵀ) -> [P, I] fp32, rows gathered in-kernel;
   2. `_moe_down_kernel`: out[pair] = weight[pair] · act · w2[e]ᵀ -> [P, H] fp32, stored in (token, slot) order,
      so the final Σ over slots is a plain fixed-order sum (deterministic, no atomics).
+With FP4 experts (`Quantized` stacks: e2m1 bytes [E, ., ./2], e8m0 scales [E, ., ./32]) the same launches load
+packed weight tiles and dequantise them in registers (`triton_kernels.quant.weight_tile`, constexpr FP4).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkspec.models.quant import Quantized
 from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter, same_device
+from sparkspec.ops.triton_kernels.quant import weight_tile
 
 
 @triton.jit
@@ -49,7 +53,8 @@ def _moe_up_kernel(
     order_ptr,  # [P] int64 pair of each sorted row
     ends_ptr,  # [E] int32
     block_ends_ptr,  # [E] int32
-    w13_ptr,  # [E, 2I, H] contiguous
+    w13_ptr,  # [E, 2I, H] contiguous (FP4: [E, 2I, H/2] uint8)
+    s13_ptr,  # FP4: [E, 2I, H/32] uint8 e8m0; else unused
     act_ptr,  # [P, I] fp32 contiguous, sorted rows
     num_slots,  # A
     num_experts,
@@ -58,6 +63,7 @@ def _moe_up_kernel(
     HIDDEN: tl.constexpr,  # H, I: constexpr (fixed per model; Triton 3.6's interpreter breaks on range(arg))
     INTER: tl.constexpr,
     IEEE: tl.constexpr,
+    FP4: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -68,7 +74,7 @@ def _moe_up_kernel(
         tok = tl.load(order_ptr + rows, mask=row_ok, other=0) // num_slots  # [BLOCK_M] int64
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of I
         col_ok = cols < INTER
-        w_rows = w13_ptr + e.to(tl.int64) * 2 * INTER * HIDDEN + cols[:, None].to(tl.int64) * HIDDEN  # gate rows
+        gate_rows = e.to(tl.int64) * 2 * INTER + cols  # rows of the [E·2I, H] stack; up rows: + I
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, HIDDEN, BLOCK_K):
@@ -76,9 +82,8 @@ def _moe_up_kernel(
             k_ok = ks < HIDDEN
             xt = tl.load(x_ptr + tok[:, None] * stride_xt + ks[None, :],
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-            wmask = col_ok[:, None] & k_ok[None, :]
-            w1 = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-            w3 = tl.load(w_rows + INTER * HIDDEN + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
+            w1 = weight_tile(w13_ptr, s13_ptr, gate_rows, col_ok, k0, HIDDEN, BLOCK_K, FP4)  # [BLOCK_N, BLOCK_K]
+            w3 = weight_tile(w13_ptr, s13_ptr, gate_rows + INTER, col_ok, k0, HIDDEN, BLOCK_K, FP4)
             if IEEE:
                 gate = tl.dot(xt, tl.trans(w1), gate, input_precision="ieee")
                 up = tl.dot(xt, tl.trans(w3), up, input_precision="ieee")
@@ -98,13 +103,15 @@ def _moe_down_kernel(
     order_ptr,  # [P] int64
     ends_ptr,  # [E] int32
     block_ends_ptr,  # [E] int32
-    w2_ptr,  # [E, H, I] contiguous
+    w2_ptr,  # [E, H, I] contiguous (FP4: [E, H, I/2] uint8)
+    s2_ptr,  # FP4: [E, H, I/32] uint8 e8m0; else unused
     weight_ptr,  # [P] fp32 routing weight of each pair
     out_ptr,  # [P, H] fp32, pair order
     num_experts,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     IEEE: tl.constexpr,
+    FP4: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -115,15 +122,14 @@ def _moe_down_kernel(
         pair = tl.load(order_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M] int64
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of H
         col_ok = cols < HIDDEN
-        w_rows = w2_ptr + e.to(tl.int64) * HIDDEN * INTER + cols[:, None].to(tl.int64) * INTER
+        w_rows = e.to(tl.int64) * HIDDEN + cols  # rows of the [E·H, I] stack
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < INTER
             a = tl.load(act_ptr + rows[:, None].to(tl.int64) * INTER + ks[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K] fp32
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+            w = weight_tile(w2_ptr, s2_ptr, w_rows, col_ok, k0, INTER, BLOCK_K, FP4)  # [BLOCK_N, BLOCK_K]
             if IEEE:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
             else:
@@ -152,18 +158,20 @@ def default_config(num_pairs: int, interpreter: bool) -> MoeConfig:
 
 def moe_experts_triton(
     x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H] rows 0..I-1 gate (w1), I..2I-1 up (w3)
-    w2: torch.Tensor,  # [E, H, I] down
+    w13: torch.Tensor | Quantized,  # [E, 2I, H] rows 0..I-1 gate (w1), I..2I-1 up (w3)
+    w2: torch.Tensor | Quantized,  # [E, H, I] down
     weights: torch.Tensor,  # [T, A] fp32
     ids: torch.Tensor,  # [T, A] int expert ids
     limit: float,
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `ops.moe.moe_experts` -> [T, H] (x.dtype). No host sync; the launches and torch ops
-    depend on the shapes only."""
+    """Triton twin of `ops.moe.moe_experts` -> [T, H] (x.dtype), on plain or FP4 (`Quantized`) stacks. No host
+    sync; the launches and torch ops depend on the shapes only."""
     from sparkspec.ops.moe import sort_by_expert
 
-    check(x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3 and ids.dim() == 2,
+    fp4 = isinstance(w13, Quantized)
+    check(fp4 == isinstance(w2, Quantized), "moe_experts: w13 and w2 must both be FP4 stacks or both plain")
+    check(x.dim() == 2 and len(w13.shape) == 3 and len(w2.shape) == 3 and ids.dim() == 2,
           f"moe_experts: want x [T,H], w13 [E,2I,H], w2 [E,H,I], ids [T,A]; got {tuple(x.shape)}, "
           f"{tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(ids.shape)}")
     T, H = x.shape
@@ -172,13 +180,24 @@ def moe_experts_triton(
           f"{tuple(w2.shape)} and hidden {H}")
     check(weights.shape == ids.shape, f"moe_experts: weights {tuple(weights.shape)} != ids {tuple(ids.shape)}")
     check(not ids.dtype.is_floating_point, f"moe_experts: ids must be integer, got {ids.dtype}")
-    check(same_device(x, w13, w2, weights, ids), "moe_experts: x, w13, w2, weights and ids must share a device")
+    if fp4:
+        check(w13.is_fp4 and w2.is_fp4 and w13.scale.dtype == w2.scale.dtype == torch.uint8,
+              "moe_experts: quantised experts must be FP4 (uint8 codes, uint8 e8m0 scales)")
+        for w, n in ((w13, 2 * I), (w2, H)):
+            need = (E, n, -(-w.shape[2] // 32))
+            check(tuple(w.scale.shape) == need, f"moe_experts: FP4 scales {tuple(w.scale.shape)} != {need} "
+                  f"for weights {w.shape} (one per 32 values)")
+        (w13, s13), (w2, s2) = ((w.data.contiguous(), w.scale.contiguous()) for w in (w13, w2))
+    else:
+        w13, w2 = w13.contiguous(), w2.contiguous()
+        s13, s2 = w13, w2  # unused by the kernels
+    check(same_device(x, w13, w2, s13, s2, weights, ids),
+          "moe_experts: x, w13, w2, weights and ids must share a device")
     A = ids.shape[1]
     P = T * A
     if P == 0:
         return x.new_zeros(T, H)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    w13, w2 = w13.contiguous(), w2.contiguous()
     order, ends = sort_by_expert(ids, E)  # [P] int64, [E] int32
     cfg = config or default_config(P, on_interpreter(x))
     bm = cfg.block_m
@@ -187,14 +206,14 @@ def moe_experts_triton(
     act = torch.empty(P, I, device=x.device, dtype=torch.float32)  # sorted rows, kept fp32 (1 rounding)
     out = torch.empty(P, H, device=x.device, dtype=torch.float32)  # pair order; every pair is written
     grid_m = min(P, triton.cdiv(P, bm) + E)
-    ieee = x.dtype == torch.float32 or w13.dtype == torch.float32
+    ieee = x.dtype == torch.float32 or w13.dtype == torch.float32  # FP4 tiles are exact in tf32
     e_p = max(next_pow2(E), 2)
     _moe_up_kernel[(grid_m, triton.cdiv(I, cfg.block_n))](
-        x, order, ends, block_ends, w13, act, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I,
-        IEEE=ieee, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
+        x, order, ends, block_ends, w13, s13, act, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I,
+        IEEE=ieee, FP4=fp4, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _moe_down_kernel[(grid_m, triton.cdiv(H, cfg.block_n))](
-        act, order, ends, block_ends, w2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I,
-        IEEE=ieee, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
+        act, order, ends, block_ends, w2, s2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I,
+        IEEE=ieee, FP4=fp4, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(T, A, H).sum(dim=1).to(x.dtype)

@@ -1,0 +1,130 @@
+"""Layers that keep FP8 / FP4 checkpoint weights quantised in memory, and the module surgery that puts them in
+a model built on the meta device (`load_checkpoint(..., quantization="keep")`).
+
+* `Fp8Linear`: `weight` [out, in] float8_e4m3fn + `scale` [ceil(out/128), ceil(in/128)] fp32 (the checkpoint's
+  names); forward = `ops.fp8_block_linear`. 1 byte a weight instead of 2 (bf16).
+* `Fp4Linear`: `weight` [out, in/2] uint8 (two e2m1 codes a byte, low nibble first) + `scale` [out, in/32]
+  uint8 (e8m0 exponents); half a byte a weight plus 1/32 of a byte. Routed experts only: the MoE stacks the
+  packed experts (`ops.moe.expert_weights`) and its grouped GEMM dequantises tiles in registers; a forward of
+  its own (dequantise, then `F.linear`) exists for completeness.
+
+Only layers the model calls as modules are replaced (`FP8_LAYERS`, `FP4_LAYERS`): the attention projections
+`wq_a`, `wq_b`, `wkv`, `wo_b`, the indexer's `wq_b`, the shared experts' `w1/w2/w3` (FP8) and the routed
+experts (FP4). Weights the model reads through `.weight` stay dequantised: `wo_a` (viewed per output group,
+as the official inference also dequantises it), the compressors' `wkv` / `wgate` (one fp32 GEMM), the router
+gate, the LM head and embedding (BF16 in the checkpoint anyway), and every drafter (`mtp.*`) tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkspec.models.quant import FP4_BLOCK, dequant_fp4, fp4_scale_shape, fp8_scale_shape
+from sparkspec.models.weights import CheckpointError, TensorSource, keep_problem
+from sparkspec.ops import ops
+
+FP8_LAYERS = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$")
+FP4_LAYERS = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]$")
+
+
+class _KeepsFormat(nn.Module):
+    """Parameters keep their storage dtype through `.to(dtype)` / `.half()`: only device moves apply (a cast
+    would turn codes into plain numbers without their scales)."""
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        for name, p in self._parameters.items():
+            moved = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+            if moved.device != p.device:
+                self._parameters[name] = nn.Parameter(p.data.to(moved.device), requires_grad=False)
+        return self
+
+
+class Fp8Linear(_KeepsFormat):
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device),
+                                   requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(fp8_scale_shape((out_features, in_features)), device=device),
+                                  requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out] (x.dtype)
+        return ops.fp8_block_linear(x, self.weight, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 128x128 blocks"
+
+
+class Fp4Linear(_KeepsFormat):
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
+        super().__init__()
+        if in_features % 2:
+            raise ValueError(f"in_features = {in_features}: FP4 packs two values a byte, expected an even width")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device),
+                                   requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(fp4_scale_shape((out_features, in_features)), dtype=torch.uint8,
+                                              device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequant_fp4(self.weight, self.scale, dtype=x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp4 e2m1 1x{FP4_BLOCK} blocks"
+
+
+def keep_quantized_(model: nn.Module, plan: dict[str, TensorSource], strict: bool) -> list[str]:
+    """Replace, on a meta model, the `nn.Linear` layers of `FP8_LAYERS` / `FP4_LAYERS` whose checkpoint weight
+    (`plan[name + '.weight']`, a tensor-parallel rank's cut included) is FP8 / FP4 with `Fp8Linear` /
+    `Fp4Linear` of the same shape; the loader then fills `weight` and `scale` as stored. A layer that cannot be
+    kept (a cut off the scale blocks) is an error when `strict`, else stays dequantised. Routed experts go all
+    or none per MoE layer (they are stacked). -> names of the replaced layers."""
+    chosen: dict[str, type[nn.Module]] = {}
+    moe_experts: dict[str, list[str]] = {}  # MoE layer -> its routed expert linears
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        src = plan.get(name + ".weight")
+        quant = src.quant if src is not None else None
+        if FP4_LAYERS.match(name):
+            moe_experts.setdefault(name.split(".experts.")[0], []).append(name)
+        if quant == "fp8" and FP8_LAYERS.match(name):
+            cls = Fp8Linear
+        elif quant == "fp4" and FP4_LAYERS.match(name):
+            cls = Fp4Linear
+        else:
+            continue
+        problem = keep_problem(src)
+        if problem is not None:
+            if strict:
+                raise CheckpointError(f"tensor '{name}.weight' cannot stay quantised: {problem}")
+            continue
+        chosen[name] = cls
+    for experts in moe_experts.values():
+        if not all(n in chosen for n in experts):
+            for n in experts:
+                chosen.pop(n, None)
+    for name, cls in chosen.items():
+        owner, _, attr = name.rpartition(".")
+        out_features, in_features = model.get_submodule(name).weight.shape  # a rank's slice when sharded
+        setattr(model.get_submodule(owner), attr, cls(in_features, out_features, device="meta"))
+    _forget_stacks(model)
+    return sorted(chosen)
+
+
+def _forget_stacks(model: nn.Module) -> None:
+    """Stacked expert weights made before the surgery are stale (`ops.moe.stack_experts_` makes new ones)."""
+    for module in model.modules():
+        if hasattr(module, "_stacked_experts"):
+            del module._stacked_experts
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters of the quantised layers (weights and scales)."""
+    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, (Fp8Linear, Fp4Linear))
+               for p in m.parameters())
