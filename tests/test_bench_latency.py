@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from sparkspec.bench.latency import step_bytes, transformers_pair
+from sparkspec.bench.hf_compare import transformers_pair
+from sparkspec.bench.latency import step_bytes
 from sparkspec.cli import main
 from sparkspec.config import ModelConfig
 from sparkspec.models.forward_batch import forward_sequences
@@ -52,3 +53,43 @@ def test_floor_counts_more_experts_and_kv_for_bigger_batches():
     assert step_bytes(model, 1, 512) < step_bytes(model, 8, 512) < step_bytes(model, 64, 512)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     assert step_bytes(model, 1, 512) < 0.5 * total  # one token reads 4 of 32 experts per layer, not all of them
+
+
+def test_two_ranks_expert_parallel_report_per_rank(tmp_path):
+    """--tensor-parallel-size 2 --enable-expert-parallel on gloo: one row per rank and batch size, the
+    imbalance over experts and ranks; with --uniform-routing every expert gets the same tokens."""
+    rows = run(["--preset", "tiny", "--random-weights", "--tensor-parallel-size", "2", "--enable-expert-parallel",
+                "--batch-sizes", "4", "--uniform-routing", "--output-len", "5"], tmp_path)
+    assert [(r["batch"], r["rank"]) for r in rows] == [(4, 0), (4, 1)]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["floor_ms"] > 0 and r["active_GB"] > 0 and r["bandwidth_GBs"] > 0
+        assert r["expert_max_mean"] == 1.0 and r["rank_max_mean"] == 1.0  # 4 tokens x 2 slots = 8 experts
+    meta = json.loads((tmp_path / "lat.json").read_text())["meta"]
+    assert meta["tensor_parallel_size"] == 2 and meta["expert_parallel"] and meta["weights"] == "random float32"
+
+
+def test_random_routing_is_uneven_and_random_drafter_runs(tmp_path):
+    rows = run(["--preset", "tiny", "--batch-sizes", "4", "--spec", "dspark", "--num-spec-tokens", "2",
+                "--output-len", "8"], tmp_path)
+    assert rows[0]["expert_max_mean"] > 1.0 and rows[0]["tau"] >= 1
+
+
+def test_uniform_routing_reads_distinct_experts():
+    from sparkspec.models.deepseek_v4 import DeepseekV4Model
+
+    with torch.device("meta"):
+        model = DeepseekV4Model(ModelConfig.preset("bench-1b"))
+    # 4 tokens x 4 slots: 16 distinct experts of 32 when uniform, fewer when random (collisions)
+    assert step_bytes(model, 4, 512, uniform=True) > step_bytes(model, 4, 512)
+    assert step_bytes(model, 1, 512, rows_per_request=8) > step_bytes(model, 1, 512)  # verify rows hit more
+
+
+def test_truncated_config_keeps_layer_shapes():
+    from sparkspec.bench.latency import truncated
+
+    cfg = ModelConfig.preset("deepseek-v4-flash")
+    small = truncated(cfg, 6)
+    assert small.num_hidden_layers == 6 and small.layer_types == cfg.layer_types[:6]
+    assert small.dspark_target_layer_ids == [3, 4, 5] and small.hidden_size == cfg.hidden_size
+    with pytest.raises(ValueError, match="--num-layers 44"):
+        truncated(cfg, 44)

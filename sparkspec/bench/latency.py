@@ -13,9 +13,11 @@ drafts and drafting the next k (`draft_share` = draft / verify).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
 
 from sparkspec.config import CSA, ModelConfig
 
@@ -40,18 +42,22 @@ def sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def step_bytes(model, batch: int, context: int) -> int:
-    """Bytes a decode step of `batch` requests at `context` positions must read at least."""
+def step_bytes(model, batch: int, context: int, rows_per_request: int = 1, uniform: bool = False) -> int:
+    """Bytes a decode step of `batch` requests of `rows_per_request` rows each (1 + k when verifying k drafts)
+    at `context` positions must read at least, on this rank: its dense weights and shared experts, the routed
+    experts it holds that the step's tokens are expected to hit (at random, or with `uniform` routing), and the
+    KV rows its queries read (the latent is replicated: every rank reads all of them)."""
     cfg: ModelConfig = model.cfg
     total = 0
     for name, p in model.named_parameters():
         if ".experts." in name or name == "embed.weight":
             continue
         total += p.numel() * p.element_size()
-    E, A = cfg.n_routed_experts, cfg.num_experts_per_tok
-    hit = E * (1 - (1 - A / E) ** batch)  # expected distinct routed experts per layer
-    expert = sum(p.numel() * p.element_size() for p in model.layers[0].ffn.experts[0].parameters())
-    total += int(cfg.num_hidden_layers * hit * expert)
+    E, A, tokens = cfg.n_routed_experts, cfg.num_experts_per_tok, batch * rows_per_request
+    hit = min(1.0, tokens * A / E) if uniform else 1 - (1 - A / E) ** tokens  # share of experts a layer reads
+    experts = model.layers[0].ffn.experts  # this rank's: all of them (width slices) or E / W whole ones
+    expert = sum(p.numel() * p.element_size() for p in experts[0].parameters())
+    total += int(cfg.num_hidden_layers * hit * len(experts) * expert)
     elt = next(model.parameters()).element_size()
     kv = 0
     for layer in range(cfg.num_hidden_layers):
@@ -68,43 +74,54 @@ def step_bytes(model, batch: int, context: int) -> int:
 
 def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str = "none", num_spec_tokens=None,
                    drafter_tensors=None, seed: int = 0, profile: bool = False, enforce_eager: bool = False,
-                   out: dict | None = None) -> float | dict:
+                   out: dict | None = None, proposer=None, probe=None, max_num_batched_tokens: int | None = None
+                   ) -> float | dict:
     """Decode milliseconds per step of `LLMEngine` (prefill excluded); with `profile`, the profile of a few
-    decode steps instead. `out` receives tok/s and, with speculation, τ and the draft / verify split."""
+    decode steps instead. `out` receives tok/s and, with speculation, τ and the draft / verify split.
+    `proposer`: a ready drafter (random weights) instead of one built from `drafter_tensors`; `probe`: a
+    `RoutingProbe`, entered before the engine is built, whose load over the timed steps goes to `out`.
+    Every rank of a tensor-parallel run calls this with the same arguments: the engines then take the same
+    steps (same requests, seeds and shapes), so their collectives meet."""
+    import contextlib
+
     from sparkspec.engine.config import EngineConfig
     from sparkspec.engine.llm_engine import LLMEngine
     from sparkspec.sampling_params import SamplingParams
 
     device = next(model.parameters()).device
-    cfg = EngineConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=max(batch * input_len, 64),
-                       max_model_len=input_len + output_len + 16, speculative=spec, num_spec_tokens=num_spec_tokens,
-                       spec_budget="fixed", **({"enforce_eager": True} if enforce_eager else {}))  # older trees too
-    eng = LLMEngine(model, None, cfg, drafter_tensors or {})
-    g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    for _ in range(batch):
-        eng.add_request(torch.randint(2, model.cfg.vocab_size, (input_len,), generator=g).tolist(), params)
-    while any(not s.output_ids for s in eng.requests.values()):
-        eng.step()  # prefill (and warm-up)
-    for _ in range(2):
-        eng.step()
-    if profile:
-        return profile_steps(eng, device)
-    st = eng.stats
-    tokens0, spec0, acc0 = st.num_generation_tokens, st.num_spec_steps, st.num_accepted
-    sync(device)
-    t0, steps = time.perf_counter(), 0
-    while eng.has_unfinished():
-        eng.step()
-        steps += 1
-    sync(device)
-    seconds = time.perf_counter() - t0
-    if out is not None:
-        out["tok_s"] = (st.num_generation_tokens - tokens0) / seconds
-        if eng.spec is not None and st.num_spec_steps > spec0:
-            n = st.num_spec_steps - spec0
-            out["tau"] = (st.num_accepted - acc0 + n) / n
-            out |= step_split(eng, batch, input_len)
+    cfg = EngineConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=max_num_batched_tokens or
+                       max(batch * input_len, 64), max_model_len=input_len + output_len + 16, speculative=spec,
+                       num_spec_tokens=num_spec_tokens, spec_budget="fixed", enforce_eager=enforce_eager)
+    with probe if probe is not None else contextlib.nullcontext():
+        eng = LLMEngine(model, None, cfg, drafter_tensors or {}, proposer=proposer)
+        g = torch.Generator().manual_seed(seed)
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True, seed=seed)
+        for _ in range(batch):
+            eng.add_request(torch.randint(2, model.cfg.vocab_size, (input_len,), generator=g).tolist(), params)
+        while any(not s.output_ids for s in eng.requests.values()):
+            eng.step()  # prefill (and warm-up)
+        for _ in range(2):
+            eng.step()
+        if profile:
+            return profile_steps(eng, device)
+        st = eng.stats
+        tokens0, spec0, acc0 = st.num_generation_tokens, st.num_spec_steps, st.num_accepted
+        before = probe.snapshot() if probe is not None else None
+        sync(device)
+        t0, steps = time.perf_counter(), 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+        sync(device)
+        seconds = time.perf_counter() - t0
+        if out is not None:
+            out["tok_s"] = (st.num_generation_tokens - tokens0) / seconds
+            if probe is not None:
+                out["load"] = probe.load(before, probe.snapshot())
+            if eng.spec is not None and st.num_spec_steps > spec0:
+                n = st.num_spec_steps - spec0
+                out["tau"] = (st.num_accepted - acc0 + n) / n
+                out |= step_split(eng, batch, input_len)
     return 1000 * seconds / max(steps, 1)
 
 
@@ -145,119 +162,115 @@ def profile_steps(eng, device: torch.device, num_steps: int = 8) -> dict:
     return out
 
 
-def transformers_config(cfg: ModelConfig) -> dict:
-    """Our config in the form `transformers.DeepseekV4Config` takes."""
-    d = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-             num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-             partial_rotary_factor=cfg.qk_rope_head_dim / cfg.head_dim, q_lora_rank=cfg.q_lora_rank,
-             o_lora_rank=cfg.o_lora_rank, o_groups=cfg.o_groups, sliding_window=cfg.sliding_window,
-             layer_types=list(cfg.layer_types), compress_rates=dict(cfg.compress_rates),
-             mlp_layer_types=list(cfg.mlp_layer_types), index_n_heads=cfg.index_n_heads,
-             index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, n_routed_experts=cfg.n_routed_experts,
-             num_experts_per_tok=cfg.num_experts_per_tok, n_shared_experts=cfg.n_shared_experts,
-             moe_intermediate_size=cfg.moe_intermediate_size, hc_mult=cfg.hc_mult,
-             hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, rms_norm_eps=cfg.rms_norm_eps,
-             routed_scaling_factor=cfg.routed_scaling_factor, swiglu_limit=cfg.swiglu_limit,
-             max_position_embeddings=cfg.max_position_embeddings, bos_token_id=cfg.bos_token_id,
-             eos_token_id=cfg.eos_token_id)
-    if cfg.yarn is not None:
-        d["rope_parameters"] = {"rope_type": "yarn", "factor": cfg.yarn.factor,
-                                "original_max_position_embeddings": cfg.yarn.original_max_position_embeddings,
-                                "beta_fast": cfg.yarn.beta_fast, "beta_slow": cfg.yarn.beta_slow}
-    return d
-
-
-def transformers_pair(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """(transformers model, our model) with the same random weights: built by transformers, copied into ours."""
-    import transformers
-
-    from sparkspec.models.deepseek_v4 import DeepseekV4Model
-    from sparkspec.models.weights import _split_fused_experts, load_state, official_name
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**transformers_config(cfg)))
-    hf = hf.to(dtype).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5)
-        for name, b in hf.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape, device=b.device))
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in hf.state_dict().items():
-        name = official_name(name)
-        if not _split_fused_experts(name, t, tensors):
-            tensors[name] = t
-    with torch.device(device):
-        ours = DeepseekV4Model(cfg)
-    ours = ours.to(dtype)
-    if hasattr(ours, "keep_fp32"):
-        ours.keep_fp32()
-    load_state(ours, {k: v for k, v in tensors.items() if not k.startswith("mtp.")})
-    return hf, ours.eval()
-
-
-def transformers_step_ms(hf, batch: int, input_len: int, output_len: int, seed: int = 0) -> float:
-    """Decode milliseconds per step of `generate` (greedy), prefill subtracted."""
-    device = next(hf.parameters()).device
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, hf.config.vocab_size, (batch, input_len), generator=g).to(device)
-
-    def run(n: int) -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=0)
-        sync(device)
-        return time.perf_counter() - t0
-
-    run(2)  # warm-up
-    return 1000 * (run(output_len) - run(1)) / (output_len - 1)
+def truncated(cfg: ModelConfig, num_layers: int | None) -> ModelConfig:
+    """The first `num_layers` target layers of `cfg` (the same layer shapes, fewer of them: what fits when the
+    whole model does not); DSpark taps move with the last layers. None: `cfg` itself."""
+    if num_layers is None or num_layers == cfg.num_hidden_layers:
+        return cfg
+    if not 1 <= num_layers <= cfg.num_hidden_layers:
+        raise ValueError(f"--num-layers {num_layers}: expected 1..{cfg.num_hidden_layers}")
+    drop = cfg.num_hidden_layers - num_layers
+    taps = None if cfg.dspark_target_layer_ids is None else sorted({max(i - drop, 0)
+                                                                    for i in cfg.dspark_target_layer_ids})
+    return dataclasses.replace(cfg, num_hidden_layers=num_layers, layer_types=cfg.layer_types[:num_layers],
+                               mlp_layer_types=cfg.mlp_layer_types[:num_layers], dspark_target_layer_ids=taps)
 
 
 def run(args) -> list[dict]:
-    from sparkspec.bench.common import write_json
+    """The table on this process (rank 0); with --tensor-parallel-size N, ranks 1.. run `bench_rank` in their
+    own processes (one per device) and rank 0 gathers their rows."""
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected a positive integer")
+    if args.tensor_parallel_size == 1:
+        return bench_rank(None, args)
+    if args.compare_transformers:
+        raise ValueError("--compare-transformers runs in one process: drop --tensor-parallel-size")
+    from sparkspec.distributed.engine import finish, launch, rank_device
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype)
-    cfg = None
-    if args.model is None:
-        cfg = ModelConfig.from_file(args.preset) if args.preset.endswith(".json") else ModelConfig.preset(args.preset)
-    hf = None
-    drafter_tensors = {}
+    pg = launch(args.tensor_parallel_size, bench_rank, (args,), rank_device(0, args.device))
+    try:
+        return bench_rank(pg, args)
+    finally:
+        finish(None)
+
+
+def build_model(args, cfg: ModelConfig | None, device: torch.device, dtype: torch.dtype, pg):
+    """-> (model, drafter_tensors, proposer factory or None, transformers model or None) for this rank."""
     if args.model is not None:
         from sparkspec.checkpoint import load_checkpoint
 
-        ckpt = load_checkpoint(args.model, device=str(device), dtype=args.dtype, progress=True)
-        model, drafter_tensors = ckpt.model, ckpt.drafter_tensors
-    elif args.compare_transformers:
+        ckpt = load_checkpoint(args.model, device=str(device), dtype=args.dtype, progress=pg is None or pg.rank == 0,
+                               parallel=pg, expert_parallel=args.enable_expert_parallel)
+        return ckpt.model, ckpt.drafter_tensors, None, None
+    if args.compare_transformers:
+        from sparkspec.bench.hf_compare import transformers_pair
+
         try:
             hf, model = transformers_pair(cfg, device, dtype)
+            return model, {}, None, hf
         except ImportError:
             print("transformers is not installed: skipping the comparison")
             args.compare_transformers = False
-    if args.model is None and hf is None:
-        from sparkspec.models.deepseek_v4 import DeepseekV4Model
+    from sparkspec.models.random_init import random_model
 
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = DeepseekV4Model(cfg)
-        model = model.to(dtype).keep_fp32().eval()
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    if args.spec not in ("none", "ngram", "dspark"):
+        raise ValueError(f"--spec {args.spec} with random weights: only dspark has a random drafter")
+    model, drafter = random_model(cfg, device, dtype, pg, args.enable_expert_parallel, seed=0,
+                                  drafter="dspark" if args.spec == "dspark" else None,
+                                  max_bytes=int(0.85 * free) if free else None)
+    factory = None
+    if drafter is not None:
+        from sparkspec.spec_decode.dspark import DSparkProposer
+
+        k = args.num_spec_tokens or cfg.dspark_block_size
+        factory = lambda: DSparkProposer(model, drafter, k)  # a fresh one per engine
+    return model, {}, factory, None
+
+
+def bench_rank(pg, args) -> list[dict]:
+    """Build this rank's model, time every batch size, and (rank 0) print and write the table; the other
+    ranks send their rows to rank 0."""
+    import gc
+
+    from sparkspec.bench.routing import RoutingProbe
+    from sparkspec.distributed.engine import rank_device
+
+    rank, world = (pg.rank, pg.world_size) if pg is not None else (0, 1)
+    device = rank_device(rank, args.device) if pg is not None else \
+        torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)  # the probe requests of the draft / verify split draw from it: the same on every rank
+    cfg = None
+    if args.model is None:
+        cfg = ModelConfig.from_file(args.preset) if args.preset.endswith(".json") else ModelConfig.preset(args.preset)
+        cfg = truncated(cfg, args.num_layers)
+    t0 = time.perf_counter()
+    model, drafter_tensors, proposer, hf = build_model(args, cfg, device, dtype, pg)
+    build_s = time.perf_counter() - t0
     bandwidth = copy_bandwidth(device) if device.type != "cpu" else copy_bandwidth(device, 1 << 26)
+    num_ep_ranks = world if args.enable_expert_parallel else 1
+    k = 0 if args.spec == "none" else (args.num_spec_tokens or (model.cfg.dspark_block_size if args.spec == "dspark"
+                                                                 else 1))
     rows = []
     for b in args.batch_sizes:
+        common = {"enforce_eager": args.enforce_eager, "max_num_batched_tokens": args.max_num_batched_tokens}
         if args.profile:
             prof = engine_step_ms(model, b, args.input_len, 16, args.spec, args.num_spec_tokens, drafter_tensors,
-                                  profile=True, enforce_eager=args.enforce_eager)
+                                  profile=True, proposer=proposer and proposer(), **common)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         extra = {}
+        probe = RoutingProbe(model, args.uniform_routing, num_ep_ranks)
         ms = engine_step_ms(model, b, args.input_len, args.output_len, args.spec, args.num_spec_tokens,
-                            drafter_tensors, enforce_eager=args.enforce_eager, out=extra)
-        floor = 1000 * step_bytes(model, b, args.input_len + args.output_len // 2) / bandwidth
-        row = {"batch": b, "ms_per_step": round(ms, 3), "tok_s": round(extra.get("tok_s", 1000 * b / ms), 1),
-               "floor_ms": round(floor, 4), "x_floor": round(ms / floor, 1)}
+                            drafter_tensors, out=extra, proposer=proposer and proposer(), probe=probe, **common)
+        active = step_bytes(model, b, args.input_len + args.output_len // 2, 1 + k, args.uniform_routing)
+        floor = 1000 * active / bandwidth
+        row = {"batch": b, "rank": rank, "ms_per_step": round(ms, 3), "tok_s": round(extra.get("tok_s", 1000 * b / ms), 1),
+               "floor_ms": round(floor, 4), "x_floor": round(ms / floor, 1),
+               "active_GB": round(active / 1e9, 3), "active_MB_per_token": round(active / 1e6 / (b * (1 + k)), 2),
+               "mem_GB": round(torch.cuda.max_memory_allocated(device) / 1e9, 1) if device.type == "cuda" else None,
+               **extra.get("load", {})}
         if "tau" in extra:
             row |= {"tau": round(extra["tau"], 2), "verify_ms": round(extra["verify_ms"], 3),
                     "draft_ms": round(extra["draft_ms"], 3), "draft_share": round(extra["draft_share"], 3)}
@@ -265,17 +278,38 @@ def run(args) -> list[dict]:
             row |= {"kernels_per_step": prof["kernels_per_step"], "syncs_per_step": prof["syncs_per_step"],
                     "gpu_busy": prof["gpu_busy_fraction"]}
         if hf is not None:
+            from sparkspec.bench.hf_compare import transformers_step_ms
+
             t = transformers_step_ms(hf, b, args.input_len, args.output_len)
             row |= {"transformers_ms": round(t, 2), "speedup": round(t / ms, 2)}
-        if not rows:
-            print("| " + " | ".join(row) + " |\n|" + "---|" * len(row), flush=True)
-        rows.append(row)
-        print("| " + " | ".join(str(v) for v in row.values()) + " |", flush=True)
+        row["bandwidth_GBs"] = round(bandwidth / 1e9, 1)
+        gathered = [row]
+        if pg is not None:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, row, group=pg.group)
+        if rank == 0:
+            if not rows:
+                print("| " + " | ".join(row) + " |\n|" + "---|" * len(row), flush=True)
+            for r in gathered:
+                print("| " + " | ".join(str(v) for v in r.values()) + " |", flush=True)
+        rows += gathered
+        gc.collect()  # the batch's engine (KV pools, graphs) goes before the next one is built
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank != 0:
+        return rows
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "preset": args.preset, "model": args.model, "dtype": args.dtype, "input_len": args.input_len,
-            "output_len": args.output_len, "spec": args.spec, "copy_bandwidth_GBs": round(bandwidth / 1e9, 1)}
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {meta['device']}")
+            "output_len": args.output_len, "spec": args.spec, "num_spec_tokens": k or None,
+            "tensor_parallel_size": world, "expert_parallel": args.enable_expert_parallel,
+            "uniform_routing": args.uniform_routing, "num_layers": model.cfg.num_hidden_layers,
+            "weights": "checkpoint" if args.model else f"random {args.dtype}", "build_s": round(build_s, 1),
+            "copy_bandwidth_GBs": round(bandwidth / 1e9, 1)}
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {meta['device']}; model built in {build_s:.1f} s "
+          f"({meta['weights']}, {meta['num_layers']} layers, {world} rank(s))", flush=True)
     if args.json:
+        from sparkspec.bench.common import write_json
+
         write_json(args.json, rows, meta)
     return rows
 
@@ -285,7 +319,18 @@ def add_latency_parser(sub) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="checkpoint directory")
     src.add_argument("--preset", default="bench-1b", help="config preset with random weights (default bench-1b)")
-    p.add_argument("--random-weights", action="store_true", help="with --preset: weights initialised on the device")
+    p.add_argument("--random-weights", action="store_true",
+                   help="with --preset (always so): random weights made on each rank's device, for its slice only")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="with --preset: keep only the first N target layers (real layer shapes, fewer layers)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many processes (one per GPU: NCCL; gloo on CPU)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: whole routed experts per process")
+    p.add_argument("--uniform-routing", action="store_true",
+                   help="route token t's j-th expert to (t*topk + j) mod E: every expert equally loaded")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prefill chunk (default: the whole batch's prompts in one step)")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)

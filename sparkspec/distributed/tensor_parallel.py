@@ -13,7 +13,9 @@ What each rank keeps, and the one collective that makes the result whole again:
   all-reduce combines both.
 * embedding: V/W rows (vocab parallel); a token's row comes from the rank that holds it (all-reduce).
 * LM head: V/W rows; the ranks' logits are gathered (`models.deepseek_v4.head_logits`).
-mHC, norms and the KV caches are replicated. Drafters stay replicated and use the sharded embedding and head.
+mHC, norms and the KV caches are replicated. Drafters loaded from a checkpoint stay replicated and use the sharded
+embedding and head; `shard_drafter_` shards a drafter's blocks the same way (what random real-size drafters
+use: a V4-Flash DSpark stage is a whole MoE layer, 6.6B parameters).
 
 `shard_` works on a loaded model and on one still on the meta device: slicing a meta tensor gives a meta tensor
 of the sharded shape. It returns (and keeps as `model.shard_cuts`) which part of which checkpoint tensor every
@@ -142,6 +144,23 @@ def shard_(model, pg: ParallelGroup, expert_parallel: bool = False) -> dict[str,
     model.head.tp = pg
     cuts.update({**_cut("embed.weight", 0, vocab), **_cut("head.weight", 0, vocab)})
     model.shard_cuts = cuts
+    return cuts
+
+
+def shard_drafter_(drafter, pg: ParallelGroup, expert_parallel: bool = False) -> dict[str, Cut]:
+    """Shard every V4 block of a drafter (DSpark stages `mtp.i`, MTP layers) as `shard_` shards the target's
+    layers; the Markov / confidence heads, projections and norms stay whole. Returns the cuts, named as
+    `drafter.named_parameters()` names them."""
+    if getattr(drafter, "shard_cuts", None) is not None:
+        raise ValueError("this drafter is already sharded")
+    cuts: dict[str, Cut] = {}
+    if pg.world_size > 1:
+        for name, block in drafter.named_modules():
+            if hasattr(block, "attn") and hasattr(block, "ffn") and hasattr(block.ffn, "experts"):
+                cuts.update(_prefixed(f"{name}.attn.", shard_attention_(block.attn, pg)))
+                ffn = (shard_experts_ if expert_parallel else shard_moe_)(block.ffn, pg)
+                cuts.update(_prefixed(f"{name}.ffn.", ffn))
+    drafter.shard_cuts = cuts
     return cuts
 
 

@@ -36,3 +36,109 @@ def random_tensors(module: nn.Module, generator: torch.Generator, prefix: str = 
             t = torch.randn(shape, generator=generator) * 0.02
         out[prefix + name] = t
     return out
+
+
+# ---------------------------------------------------------------- random models built on their device
+
+
+def random_model(cfg, device: torch.device, dtype: torch.dtype, pg=None, expert_parallel: bool = False,
+                 seed: int = 0, drafter: str | None = None, max_bytes: int | None = None):
+    """(target, DSpark drafter or None) with random weights, built for one rank without ever holding more than
+    that rank's share: the models are made on the meta device, sharded (`pg`: this rank's `ParallelGroup`;
+    whole experts per rank with `expert_parallel`), and only then is each tensor allocated on `device`, in the
+    dtype it is used in, and filled there (`fill_`). Nothing touches the disk or the host memory.
+
+    Values: the rules of `checkpoint.random_target_tensors` (unit-RMS activations through mHC, attention and
+    MoE: linears N(0, 1/fan_in) with the fan-in of the whole tensor, embedding N(0, 1), head N(0, 4/H), ...).
+    Replicated tensors are equal on every rank (their seed is their name), so every rank routes and samples the
+    same; a slice gets a seed of its own per rank, and an expert-parallel rank's experts the seeds of their
+    global ids (the same values a single process would hold). `max_bytes`: refuse (ValueError, before anything is
+    allocated) when this rank's weights would need more."""
+    from sparkspec.checkpoint import _move_computed, meta_model
+    from sparkspec.distributed.tensor_parallel import shard_, shard_drafter_
+
+    if drafter not in (None, "dspark"):
+        raise ValueError(f"drafter = {drafter!r}: random drafters are built for 'dspark' only")
+    target = meta_model(cfg, dtype)
+    cuts = shard_(target, pg, expert_parallel) if pg is not None else {}
+    draft = meta_drafter(cfg, dtype) if drafter == "dspark" else None
+    dcuts = shard_drafter_(draft, pg, expert_parallel) if draft is not None and pg is not None else {}
+    need = sum(_nbytes(m) for m in (target, draft) if m is not None)
+    if max_bytes is not None and need > max_bytes:
+        per_layer = sum(_nbytes(layer) for layer in target.layers) / cfg.num_hidden_layers
+        fits = int(cfg.num_hidden_layers - (need - max_bytes) / per_layer)
+        raise ValueError(f"random weights need {need / 1e9:.1f} GB on this rank, {max_bytes / 1e9:.1f} GB are "
+                         f"available ({dtype}, {pg.world_size if pg else 1} rank(s)); about {max(fits, 0)} of "
+                         f"{cfg.num_hidden_layers} layers would fit (--num-layers), or more ranks")
+    fill_(target, device, seed, cuts, pg)
+    _move_computed(target, device)
+    if draft is not None:
+        fill_(draft, device, seed, dcuts, pg, prefix="mtp.")
+        _move_computed(draft, device)
+        draft.eval()
+    return target.eval(), draft
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def meta_drafter(cfg, dtype: torch.dtype):
+    """The DSpark drafter on the meta device in `dtype` (fp32 where `keep_fp32` keeps it)."""
+    from sparkspec.checkpoint import _MetaInit
+    from sparkspec.models.dspark import DSparkDraftModel
+
+    with torch.device("meta"), _MetaInit():
+        draft = DSparkDraftModel(cfg)
+    for p in draft.parameters():
+        p.data = p.data.to(dtype)
+    return draft.keep_fp32()
+
+
+def fill_(model: nn.Module, device: torch.device, seed: int, cuts: dict, pg=None, prefix: str = "") -> None:
+    """Allocate every meta parameter / buffer of `model` on `device` (same dtype) and fill it by `init_rule`.
+    `cuts`: `shard_`'s record of which sharded tensor holds which part of which whole one."""
+    import zlib
+
+    from sparkspec.models.weights import assign_tensor
+    from sparkspec.ops.moe import expert_weights
+
+    world = pg.world_size if pg is not None else 1
+    rank = pg.rank if pg is not None else 0
+    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if b.is_meta]
+    with torch.no_grad():
+        for name, meta in named:
+            cut = cuts.get(name)
+            source = cut.source if cut is not None else name
+            is_slice = cut is not None and cut.dim is not None
+            fan_in = meta.shape[-1] * (world if is_slice and cut.dim == 1 else 1) if meta.dim() == 2 else 0
+            key = zlib.crc32(f"{prefix}{source}|{rank if is_slice else -1}".encode())
+            g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + key)
+            t = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            init_rule(prefix + name, t, fan_in, g, model)
+            assign_tensor(model, name, t)
+        for m in model.modules():  # stack each layer's experts now, while only one layer's copy is extra
+            if hasattr(m, "experts") and hasattr(m, "shared_experts") and len(m.experts):
+                expert_weights(m)
+
+
+def init_rule(name: str, t: torch.Tensor, fan_in: int, g: torch.Generator, model: nn.Module) -> None:
+    """Fill `t` (on its device, in its dtype) as `checkpoint.random_target_tensors` would a tensor `name`."""
+    if name.endswith("tid2eid"):  # [V, A] distinct experts per token id
+        num_experts = model.cfg.n_routed_experts
+        scores = torch.rand(t.shape[0], num_experts, generator=g, device=t.device)
+        t.copy_(scores.argsort(-1)[:, : t.shape[1]])
+    elif name.endswith(("norm.weight", "_scale")):
+        t.fill_(1.0)
+    elif name.endswith(("attn_sink", ".ape")):
+        t.normal_(0, 0.3, generator=g)
+    elif name.endswith(("gate.bias", "_base")):
+        t.normal_(0, 0.1, generator=g)
+    elif name.endswith(("embed.weight", "markov_w1.weight")):  # lookup tables: unit rows
+        t.normal_(0, 1.0, generator=g)
+    elif name == "head.weight":
+        t.normal_(0, 2.0 / model.cfg.hidden_size ** 0.5, generator=g)
+    elif t.dim() == 2:  # linears and the mHC mixes: N(0, 1 / fan_in of the whole tensor)
+        t.normal_(0, fan_in ** -0.5, generator=g)
+    else:
+        raise AssertionError(f"no init rule for tensor '{name}' {tuple(t.shape)}")
