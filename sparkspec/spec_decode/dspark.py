@@ -15,9 +15,11 @@ distribution for verification.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
 from sparkspec.models.dspark import DSparkDraftModel
+from sparkspec.ops.indices import window_rows
 from sparkspec.ops.sampling import STREAM_DRAFT, probs_for, sample
 from sparkspec.spec_decode.proposer import DraftBatch, Proposer, StepRows
 
@@ -39,9 +41,25 @@ class DSparkProposer(Proposer):
         D = self.target.cfg.head_dim
         self.pools = [torch.zeros((num_blocks + 1) * block_size + 1, D, dtype=dtype, device=device)
                       for _ in range(self.drafter.num_layers)]
-        head = self.drafter.last.confidence_head
-        if head is not None and head.temperature is not None:  # read inside captured steps: no copy there
-            head.temperature = head.temperature.to(device)
+        self.heads = self.markov_confidence_weights(device)
+
+    def markov_confidence_weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The two heads as the left-to-right loop uses them, fp32 on the device: (markov_w2 with the confidence
+        weights of the predecessor embedding as one more row [V (+1), r], the confidence weights of h [1, H] or
+        None, per-position calibration temperatures [k]). One GEMV per position then gives both the Markov bias
+        and the predecessor's share of the confidence logit."""
+        last, k = self.drafter.last, self.num_spec_tokens
+        w = last.markov_head.markov_w2.weight.float()  # [V, r]
+        head, w_h = last.confidence_head, None
+        temperature = torch.ones(k, device=device)
+        if head is not None:
+            proj = head.proj.weight.float()  # [1, H + r]: [h ; markov_w1[prev]]
+            H = proj.shape[1] - w.shape[1]
+            w, w_h = torch.cat([w, proj[:, H:]]), proj[:, :H]
+            if head.temperature is not None:
+                t = head.temperature.float().to(device)
+                temperature = t[torch.arange(k, device=device).clamp(max=t.numel() - 1)]
+        return w.to(device), None if w_h is None else w_h.to(device), temperature
 
     def observe(self, step: StepRows) -> None:
         b = step.batch
@@ -53,17 +71,24 @@ class DSparkProposer(Proposer):
     def propose(self, step: StepRows, k: int) -> DraftBatch:
         d, R, W = self.drafter, step.reqs.shape[0], self.window
         dev = step.pending_ids.device
-        ctx_kv = [self.gather_window(pool, step, W).flatten(0, 1) for pool in self.pools]  # per stage [R·W, D]
-        ctx_pos = step.pending_pos.unsqueeze(1) - W + torch.arange(W, device=dev)  # [R, W]
-        ctx_rows = torch.where(ctx_pos >= 0, torch.arange(R * W, device=dev).view(R, W), -1)
-        block_ids = torch.full((R, k), d.noise_token_id, dtype=torch.long, device=dev)
-        block_ids[:, 0] = step.pending_ids
+        b = step.batch
+        rows = window_rows(step.pending_pos, step.reqs, b.block_tables, b.block_size, W)  # [R, W], -1 before 0
+        ctx_kv = [torch.where((rows >= 0).unsqueeze(-1), pool[rows.clamp(min=0)], 0).flatten(0, 1)
+                  for pool in self.pools]  # per stage [R·W, D]
+        ctx_rows = torch.where(rows >= 0, torch.arange(R * W, device=dev).view(R, W), -1)
+        block_ids = torch.cat([step.pending_ids.unsqueeze(1),
+                               step.pending_ids.new_full((R, k - 1), d.noise_token_id)], dim=1)  # [R, k]
         out = d.forward_block(self.target.embed, self.target.head, block_ids, step.pending_pos, ctx_kv, ctx_rows)
-        prev, tokens, probs, confs = step.pending_ids, [], [], []
+        w_prev, w_h, temperature = self.heads
+        V = out.base_logits.shape[-1]
+        w1 = d.last.markov_head.markov_w1
+        prev, tokens, probs, conf_z = step.pending_ids, [], [], []
         greedy = step.sampling.all_greedy  # q would be one-hot on the argmax: skip building it
         for i in range(k):  # the Markov head, strictly left to right
-            logits = d.markov_logits(out.base_logits[:, i], prev)  # [R, V]
-            conf = d.confidence_logits(out.hidden[:, i], prev)  # [R] or None
+            y = F.linear(w1(prev).float(), w_prev)  # [R, V (+1)]: Markov bias (and confidence share) of prev
+            logits = out.base_logits[:, i] + y[:, :V]  # [R, V]
+            if w_h is not None:
+                conf_z.append(y[:, V])
             if greedy:
                 prev = logits.argmax(-1)
             else:
@@ -71,7 +96,8 @@ class DSparkProposer(Proposer):
                 prev = sample(q, step.sampling.seeds, step.pending_pos + 1 + i, STREAM_DRAFT)
                 probs.append(q)
             tokens.append(prev)
-            if conf is not None:
-                confs.append(d.confidence(conf, i))
-        return DraftBatch(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1),
-                          torch.stack(confs, 1) if confs else None)
+        confidences = None
+        if w_h is not None:  # sigmoid((proj_h · h_i + proj_e · markov_w1[prev_i]) / T_i)
+            z = F.linear(out.hidden.float(), w_h).squeeze(-1) + torch.stack(conf_z, 1)  # [R, k]
+            confidences = torch.sigmoid(z / temperature[:k])
+        return DraftBatch(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), confidences)
