@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+
 def entries_per_block(block_size: int, ratio: int) -> int:
     """Compressed entries stored per block for a layer with this compress ratio (0 for sliding-only layers)."""
     if ratio <= 1:
@@ -56,7 +57,9 @@ class KVCache:
                  dtype: torch.dtype | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KVCache(num_blocks={num_blocks}, block_size={block_size}): expected positive sizes")
-        p = next(model.parameters())
+        # the activations' dtype (the embedding's), not the first parameter's: mHC parameters come first, and they
+        # stay fp32 in a bf16 model (`keep_fp32`)
+        p = model.embed.weight if hasattr(model, "embed") else next(model.parameters())
         device, dtype = device or p.device, dtype or p.dtype
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks  # pads block tables; rows past the real blocks

@@ -21,6 +21,7 @@ from sparkspec.distributed import ParallelGroup, all_gather_last, all_reduce
 from sparkspec.models.cache import entries_per_block
 from sparkspec.models.forward_batch import Emission, ForwardBatch
 from sparkspec.ops import ops
+from sparkspec.ops.indices import chosen_rows
 from sparkspec.ops.moe import expert_weights, swiglu
 
 FP32_PARAM_SUFFIXES = ("attn_sink", "ape", "gate.bias", "hc_attn_fn", "hc_attn_base", "hc_attn_scale",
@@ -107,29 +108,26 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width))
         self.norm = RMSNorm(head_dim, cfg.rms_norm_eps)
 
-    def states(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position partial state: (kv [T, c·d] fp32, score + ape [T, c·d] fp32)."""
-        kv, score = F.linear(x.float(), fp32_weight(self.wkv, self.wgate)).chunk(2, dim=-1)  # one GEMM for both
-        return kv, score + self.ape.float()[positions % self.ratio]
+    def store_states(self, kv_pool: torch.Tensor, score_pool: torch.Tensor, x: torch.Tensor,
+                     batch: ForwardBatch) -> None:
+        """This step's per-position partial state -> its rows of the pools: kv [T, c·d] and score + ape[pos % ratio]
+        [T, c·d], fp32, from one GEMM (x [T, H]: the caller casts it to fp32 once for both of a layer's compressors)."""
+        states = F.linear(x.float(), fp32_weight(self.wkv, self.wgate))  # [T, 2·c·d]
+        ops.store_states(kv_pool, score_pool, batch.state_rows(), states, self.ape, batch.positions)
 
     def emit(
         self,
         kv_pool: torch.Tensor,  # [N·bs + 1, c·d] fp32 per-position state rows (this step's already stored)
         score_pool: torch.Tensor,  # [N·bs + 1, c·d] fp32
         plan: Emission,  # which entries this step closes and which state rows each pools
-        rotary: Rotary,
         rot: torch.Tensor,  # [M, R/2] rotation at the entries' first positions j·r
-        out_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """Entries j -> [M, d] out_dtype, pooling positions j·r .. j·r + r - 1 (and, for overlapping windows, the
-        first half of positions (j-1)·r .. j·r - 1); normalised and rotated in fp32, rounded once."""
-        r, d = self.ratio, self.head_dim
-        kv, score = kv_pool[plan.gather], score_pool[plan.gather]  # [M, span, c·d]
-        if self.overlap:  # previous window contributes its first half, the current one its second half
-            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
-            score = torch.cat([score[:, :r, :d].masked_fill(plan.missing[:, :r].unsqueeze(-1), float("-inf")),
-                               score[:, r:, d:]], dim=1)
-        return rotary.apply(ops.compress_pool(kv, score), None, rot=rot, norm=self.norm, out_dtype=out_dtype)
+        out: torch.Tensor,  # [S, d] the pool the entries go to
+        out_rows: torch.Tensor,  # [M] their rows (the trash row for pads)
+    ) -> None:
+        """Entries j -> out[out_rows], pooling positions j·r .. j·r + r - 1 (and, for overlapping windows, the first
+        half of positions (j-1)·r .. j·r - 1); normalised and rotated in fp32, rounded once (one op)."""
+        ops.emit_entries(kv_pool, score_pool, plan.gather, plan.missing, fp32_weight(self.norm), self.norm.eps, rot,
+                         out, out_rows)
 
 
 class Indexer(nn.Module):
@@ -203,16 +201,15 @@ class Attention(nn.Module):
         topk, num_compressed = None, 0
         if self.compressor is not None:
             plan = batch.emission(r, 2 * r if self.compressor.overlap else r)
-            self.store_states(self.compressor, pools["comp_kv"], pools["comp_score"], x, batch)
+            xf = x.float()  # the compressors' GEMMs run in fp32
+            self.compressor.store_states(pools["comp_kv"], pools["comp_score"], xf, batch)
             entry_rot = self.rotary.rotations(batch, ("entries", r), lambda: plan.last + 1 - r)
-            store(pools["attn"], plan.attn_rows, self.compressor.emit(pools["comp_kv"], pools["comp_score"], plan,
-                                                                      self.rotary, entry_rot, pools["attn"].dtype))
+            self.compressor.emit(pools["comp_kv"], pools["comp_score"], plan, entry_rot, pools["attn"], plan.attn_rows)
             num_compressed = batch.max_seq_len // r
         if self.indexer is not None:
             ix = self.indexer
-            self.store_states(ix.compressor, pools["idx_kv"], pools["idx_score"], x, batch)
-            store(pools["idx_keys"], plan.key_rows, ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan,
-                                                                       self.rotary, entry_rot, pools["idx_keys"].dtype))
+            ix.compressor.store_states(pools["idx_kv"], pools["idx_score"], xf, batch)
+            ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan, entry_rot, pools["idx_keys"], plan.key_rows)
             iq = self.rotary.apply(ix.wq_b(qr).view(x.shape[0], ix.n_heads, ix.head_dim), pos, rot=rot)
             iw = ix.weights_proj(x).float() * ix.n_heads ** -0.5
             keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed))]
@@ -225,6 +222,9 @@ class Attention(nn.Module):
         return self.project_out(o, pos, rot)
 
     def indices(self, batch: ForwardBatch, topk: torch.Tensor | None, num_compressed: int) -> torch.Tensor:
+        if topk is not None:  # CSA: the window and entry rows are per step, this layer's choice one gather
+            return chosen_rows(batch.sliding_rows(self.window, self.ratio), batch.entry_table(self.ratio),
+                               batch.req_idx, topk)
         return ops.paged_attention_indices(batch.positions, batch.req_idx, batch.block_tables, batch.block_size,
                                            self.window, self.ratio, topk, num_compressed)
 
@@ -236,15 +236,6 @@ class Attention(nn.Module):
         rows = batch.entry_rows(j.expand(batch.num_reqs, -1), reqs, self.ratio,
                                 entries_per_block(batch.block_size, self.ratio), 0)
         return rows.clamp(min=0)
-
-    @staticmethod
-    def store_states(compressor: Compressor, kv_pool: torch.Tensor, score_pool: torch.Tensor, x: torch.Tensor,
-                     batch: ForwardBatch) -> None:
-        kv, score = compressor.states(x, batch.positions)
-        rows = batch.state_rows()
-        store(kv_pool, rows, kv)
-        store(score_pool, rows, score)
-
 
 def store(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """The one cache write: pool[rows] = values. Rows come from the block tables (padded rows of a static batch

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparkspec.models.cache import KVCache, entries_per_block
-from sparkspec.ops.indices import pool_rows
+from sparkspec.ops.indices import entry_table, pool_rows, sliding_rows
 
 
 @dataclass
@@ -66,6 +66,17 @@ class ForwardBatch:
     def state_rows(self) -> torch.Tensor:
         """[T] rows of this step's tokens in per-position pools (compressor / indexer state)."""
         return self.memo("state", lambda: self.rows_of(self.positions, self.req_idx, self.block_size))
+
+    def sliding_rows(self, window: int, ratio: int) -> torch.Tensor:
+        """[T, W] each query's sliding-window rows in a layer's `attn` pool."""
+        e = entries_per_block(self.block_size, ratio)
+        return self.memo(("window", window, ratio), lambda: sliding_rows(
+            self.positions, self.req_idx, self.block_tables, self.block_size, window, self.block_size + e))
+
+    def entry_table(self, ratio: int) -> torch.Tensor:
+        """[R, C + 1] `attn`-pool rows of each request's compressed entries j < C = max_seq_len // ratio, then -1."""
+        return self.memo(("entry_table", ratio), lambda: entry_table(self.block_tables, self.block_size, ratio,
+                                                                     self.max_seq_len // ratio))
 
 
 @dataclass

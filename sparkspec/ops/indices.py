@@ -41,10 +41,46 @@ def paged_attention_indices(
 
 
 def pool_rows(block_tables, req, positions, block_size, rows_per_block, first_row=0, ratio=1):
-    """Pool rows of raw positions (ratio 1) or of compressed entries (positions = entry ids), -1 where < 0."""
-    q = positions.clamp(min=0) * ratio
-    blk = block_tables[req, q // block_size]
-    return torch.where(positions >= 0, blk * rows_per_block + first_row + (q % block_size) // ratio, -1)
+    """Pool rows of raw positions (ratio 1) or of compressed entries (positions = entry ids), -1 where < 0.
+    A handful of integer kernels: one per step of the arithmetic that the ratio needs."""
+    p = positions.clamp(min=0)
+    if block_size % ratio == 0:  # ratio 1, or several entries per block
+        per_block = block_size // ratio
+        col, offset = p // per_block, p % per_block
+    else:  # one entry per block, every (ratio / block_size)-th block
+        col, offset = p * (ratio // block_size), None
+    blk = block_tables[req, col]
+    if offset is None:
+        rows = blk * rows_per_block + first_row
+    else:
+        rows = torch.add(offset + first_row if first_row else offset, blk, alpha=rows_per_block)
+    return torch.where(positions >= 0, rows, -1)
+
+
+def sliding_rows(positions, req_idx, block_tables, block_size, window, rows_per_block) -> torch.Tensor:
+    """Causal sliding window: rows of positions pos - W + 1 .. pos, newest last -> [T, W], -1 before 0."""
+    pos = positions.unsqueeze(1) - torch.arange(window - 1, -1, -1, device=positions.device)  # [T, W]
+    return pool_rows(block_tables, req_idx.unsqueeze(1), pos, block_size, rows_per_block)
+
+
+def entry_table(block_tables: torch.Tensor, block_size: int, ratio: int, num_compressed: int) -> torch.Tensor:
+    """`attn`-pool rows of every request's compressed entries j < C, then one -1 column -> [R, C + 1]. Indexing it
+    with chosen entry ids sends their -1 pads to that column: one gather per layer (`chosen_rows`)."""
+    R, dev = block_tables.shape[0], block_tables.device
+    j = torch.arange(num_compressed + 1, device=dev)
+    j = torch.where(j < num_compressed, j, -1).unsqueeze(0)  # [1, C + 1]
+    reqs = torch.arange(R, device=dev).unsqueeze(1)  # [R, 1]
+    return pool_rows(block_tables, reqs, j, block_size, block_size + -(-block_size // ratio), block_size, ratio)
+
+
+def chosen_rows(
+    window_rows: torch.Tensor,  # [T, W] `sliding_rows`
+    table: torch.Tensor,  # [R, C + 1] `entry_table`
+    req_idx: torch.Tensor,  # [T]
+    topk: torch.Tensor,  # [T, K] chosen entries j < C, -1 pads
+) -> torch.Tensor:
+    """CSA index lists from per-step pieces -> [T, W + K]: `paged_attention_indices` with top-k, in two ops."""
+    return torch.cat([window_rows, table[req_idx.unsqueeze(1), topk]], dim=1)
 
 
 @native("paged_attention_indices")
@@ -52,15 +88,13 @@ def _paged_attention_indices_native(positions, req_idx, block_tables, block_size
                                     num_compressed):
     e = -(-block_size // ratio) if ratio > 1 else 0
     rows_per_block = block_size + e
-    req = req_idx.unsqueeze(1)  # [T, 1]
-    swa_pos = positions.unsqueeze(1) - torch.arange(window - 1, -1, -1, device=positions.device)  # [T, W] newest last
-    swa = pool_rows(block_tables, req, swa_pos, block_size, rows_per_block)
+    swa = sliding_rows(positions, req_idx, block_tables, block_size, window, rows_per_block)
     if ratio <= 1:
         return swa
     if topk is None:  # heavily compressed: every entry j < (pos + 1) // ratio
         j = torch.arange(num_compressed, device=positions.device).unsqueeze(0)  # [1, C]
         topk = torch.where(j < ((positions + 1) // ratio).unsqueeze(1), j, -1)
-    comp = pool_rows(block_tables, req, topk, block_size, rows_per_block, block_size, ratio)
+    comp = pool_rows(block_tables, req_idx.unsqueeze(1), topk, block_size, rows_per_block, block_size, ratio)
     return torch.cat([swa, comp], dim=1)
 
 
