@@ -24,12 +24,13 @@ try:
     if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
     from sparkspec.ops.triton_kernels import attention as tri_attn
+    from sparkspec.ops.triton_kernels import compressor as tri_comp
     from sparkspec.ops.triton_kernels import mhc as tri_mhc
     from sparkspec.ops.triton_kernels import rope as tri_rope
 except ImportError as exc:  # triton missing here
     pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
 
-from sparkspec.ops import attention, indices, mhc, rope  # noqa: E402
+from sparkspec.ops import attention, compressor, indices, mhc, rope  # noqa: E402
 from sparkspec.ops.registry import _ACCEL  # noqa: E402
 
 WINDOW = 8  # small sliding window so that rows cross the window edge in a few tokens
@@ -232,9 +233,57 @@ def test_rope_preconditions_are_messages():
         tri_rope.rope(x, _rotation(3, 9, _seeded(0)))
 
 
+# --------------------------------------------------------------------------------------- compressor
+
+@pytest.mark.parametrize("ratio,width", [(4, 24), (128, 40)])
+def test_store_states(ratio, width):
+    gen = _seeded(14)
+    S, T = 30, 5
+    pools = [_randn(S, width, gen=gen) for _ in range(2)]
+    pools += [p.clone() for p in pools]  # kernel kv, score; native kv, score
+    rows = torch.tensor([3, 17, 4, 29, 0], device=DEVICE)
+    states = _randn(T, 2 * width, gen=gen)
+    ape = _randn(ratio, width, gen=gen)
+    positions = torch.tensor([0, 5, 127, 128, 1000], device=DEVICE)
+    tri_comp.store_states(pools[0], pools[1], rows, states, ape, positions)
+    compressor.store_states(pools[2], pools[3], rows, states, ape, positions)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("overlap,span,d,half", [(True, 8, 24, 4), (False, 40, 20, 5), (True, 8, 16, 8)])
+def test_emit_entries(overlap, span, d, half, dtype):
+    """Entries pooled from random state rows (some missing), normalised, rotated, written to random rows."""
+    gen = _seeded(15)
+    S, M, w = 50, 6, 2 * d if overlap else d
+    kv_pool, score_pool = _randn(S, w, gen=gen), _randn(S, w, gen=gen, scale=2.0)
+    gather = torch.randint(0, S, (M, span), generator=gen).to(DEVICE)
+    missing = torch.zeros(M, span, dtype=torch.bool, device=DEVICE)
+    missing[1, : span // 2] = True  # a first window: the previous one does not exist
+    missing[2, :3] = True
+    weight = _randn(d, gen=gen)
+    rot = _rotation(M, half, gen)
+    out_rows = torch.tensor([7, 0, 12, 3, 19, 8], device=DEVICE)
+    got = torch.zeros(20, d, device=DEVICE, dtype=dtype)
+    want = torch.zeros(20, d, device=DEVICE)
+    tri_comp.emit_entries(kv_pool, score_pool, gather, missing, weight, 1e-6, rot, got, out_rows)
+    compressor.emit_entries(kv_pool, score_pool, gather, missing, weight, 1e-6, rot, want, out_rows)
+    assert_close(got, want)
+
+
+def test_emit_entries_preconditions_are_messages():
+    pool = torch.zeros(10, 12, device=DEVICE)
+    with pytest.raises(ValueError, match="state width 12 must be d or 2d"):
+        tri_comp.emit_entries(pool, pool, torch.zeros(2, 4, dtype=torch.long, device=DEVICE),
+                              torch.zeros(2, 4, dtype=torch.bool, device=DEVICE), torch.ones(8, device=DEVICE), 1e-6,
+                              _rotation(2, 2, _seeded(0)), torch.zeros(5, 8, device=DEVICE),
+                              torch.zeros(2, dtype=torch.long, device=DEVICE))
+
+
 # --------------------------------------------------------------------------------------- dispatch
 
-@pytest.mark.parametrize("name", ["sparse_attention", "mhc_pre", "mhc_post", "hc_head", "rope", "rms_norm"])
+@pytest.mark.parametrize("name", ["sparse_attention", "mhc_pre", "mhc_post", "hc_head", "rope", "rms_norm",
+                                  "store_states", "emit_entries"])
 def test_registered_for_every_accelerator(name):
     for platform in ("cuda", "rocm", "xpu"):
         assert (platform, name) in _ACCEL, f"{name} has no Triton version for {platform}"

@@ -1,14 +1,18 @@
 """KV compression (gated pooling) and the lightning indexer.
 
 Legend: N compressed entries being emitted, R rows pooled per entry, d entry width, T queries,
-C visible compressed entries, ih indexer heads, id indexer head dim.
+C visible compressed entries, ih indexer heads, id indexer head dim, S pool rows, w = c·d state width
+(c = 2 for overlapping windows, else 1), M entry slots of a step.
+
+A compressor's per-position state goes to its pools once per token (`store_states`); an entry is pooled from the
+state rows of its window, normalised, rotated and written to its pool in one op (`emit_entries`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparkspec.ops.registry import native
+from sparkspec.ops.registry import native, ops
 
 
 @native("compress_pool")
@@ -19,6 +23,46 @@ def compress_pool(
     """Per-feature softmax over the rows, then the weighted sum -> [N, d] fp32."""
     w = torch.softmax(score.float(), dim=1)
     return (w * kv.float()).sum(dim=1)
+
+
+@native("store_states")
+def store_states(
+    kv_pool: torch.Tensor,  # [S, w] fp32
+    score_pool: torch.Tensor,  # [S, w] fp32
+    rows: torch.Tensor,  # [T] pool rows of the tokens
+    states: torch.Tensor,  # [T, 2w] fp32: projected kv, then gate score (one GEMM for both)
+    ape: torch.Tensor,  # [ratio, w] learned score bias by position within the window
+    positions: torch.Tensor,  # [T]
+) -> None:
+    """kv_pool[rows] = kv; score_pool[rows] = score + ape[positions % ratio]."""
+    kv, score = states.float().chunk(2, dim=-1)
+    kv_pool.index_copy_(0, rows, kv)
+    score_pool.index_copy_(0, rows, score + ape.float()[positions % ape.shape[0]])
+
+
+@native("emit_entries")
+def emit_entries(
+    kv_pool: torch.Tensor,  # [S, w] fp32 per-position states
+    score_pool: torch.Tensor,  # [S, w] fp32
+    gather: torch.Tensor,  # [M, R] state rows pooled by each entry, oldest first
+    missing: torch.Tensor,  # [M, R] bool: no such position (before the sequence's start)
+    norm_weight: torch.Tensor,  # [d] weight of the entries' RMS norm
+    eps: float,
+    rot: torch.Tensor,  # [M, R'/2] complex64 rotation at each entry's first position
+    out: torch.Tensor,  # [S', d] the pool the entries go to
+    out_rows: torch.Tensor,  # [M] rows of `out` (a trash row for pads)
+) -> None:
+    """out[out_rows] = RoPE(RMSNorm(compress_pool(window states))). With overlapping windows (w = 2d) an entry
+    pools the previous window's first-half features (masked where `missing`) and its own second half."""
+    d = norm_weight.numel()
+    kv, score = kv_pool[gather], score_pool[gather]  # [M, R, w]
+    if kv_pool.shape[1] == 2 * d:  # previous window contributes its first half, the current one its second half
+        r = gather.shape[1] // 2
+        kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+        score = torch.cat([score[:, :r, :d].masked_fill(missing[:, :r].unsqueeze(-1), float("-inf")),
+                           score[:, r:, d:]], dim=1)
+    pooled = ops.compress_pool(kv, score)
+    out.index_copy_(0, out_rows, ops.rope(pooled, rot, False, norm_weight, eps, out.dtype))
 
 
 @native("indexer_topk")

@@ -1,0 +1,196 @@
+"""KV compression (Triton): per-token state stores and whole-entry emission, one launch each.
+
+Legend: T tokens, S state-pool rows, w state width (2d for overlapping windows, else d), M entry slots, span
+state rows pooled per entry (R), d entry width, P = d / 2 feature pairs, R' rotary dims (the last R' of d).
+
+`emit_entries` runs one program per entry slot. It walks the entry's state rows in tiles of BLOCK_S, keeping a
+per-feature online softmax of the gate scores, and holds even and odd features apart: a RoPE pair is then
+(even[i], odd[i]) in registers, and the RMS norm and rotation finish the entry before its one store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparkspec.ops.registry import accelerated
+from sparkspec.ops.triton_kernels.common import check, next_pow2, same_device
+
+
+@triton.jit
+def _store_states_kernel(
+    kv_ptr,  # [S, w] fp32
+    score_ptr,  # [S, w] fp32
+    rows_ptr,  # [T] int pool rows
+    states_ptr,  # [T, 2w] kv then score
+    ape_ptr,  # [ratio, w]
+    pos_ptr,  # [T] int positions (>= 0)
+    width,  # w
+    ratio,
+    stride_pool,
+    stride_states,
+    stride_ape,
+    BLOCK_W: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    phase = tl.load(pos_ptr + t).to(tl.int64) % ratio
+    cols = tl.arange(0, BLOCK_W)
+    ok = cols < width
+    kv = tl.load(states_ptr + t * stride_states + cols, mask=ok, other=0.0).to(tl.float32)
+    score = tl.load(states_ptr + t * stride_states + width + cols, mask=ok, other=0.0).to(tl.float32)
+    score += tl.load(ape_ptr + phase * stride_ape + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(kv_ptr + row * stride_pool + cols, kv, mask=ok)
+    tl.store(score_ptr + row * stride_pool + cols, score, mask=ok)
+
+
+@accelerated("store_states", "cuda", "rocm", "xpu")
+def store_states(
+    kv_pool: torch.Tensor,  # [S, w] fp32
+    score_pool: torch.Tensor,  # [S, w] fp32
+    rows: torch.Tensor,  # [T]
+    states: torch.Tensor,  # [T, 2w]
+    ape: torch.Tensor,  # [ratio, w]
+    positions: torch.Tensor,  # [T]
+) -> None:
+    """Triton twin of `ops.compressor.store_states` (writes the pools in place)."""
+    check(kv_pool.dim() == 2 and kv_pool.shape == score_pool.shape, f"store_states: pools must be one [S, w] "
+          f"shape, got {tuple(kv_pool.shape)} and {tuple(score_pool.shape)}")
+    check(kv_pool.dtype == score_pool.dtype == torch.float32, "store_states: state pools must be fp32")
+    check(kv_pool.is_contiguous() and score_pool.is_contiguous(), "store_states: pools must be contiguous")
+    T, w = rows.shape[0], kv_pool.shape[1]
+    check(tuple(states.shape) == (T, 2 * w), f"store_states: states must be [{T}, {2 * w}], got "
+          f"{tuple(states.shape)}")
+    check(ape.dim() == 2 and ape.shape[1] == w, f"store_states: ape must be [ratio, {w}], got {tuple(ape.shape)}")
+    check(positions.shape == rows.shape, "store_states: positions and rows must both be [T]")
+    check(same_device(kv_pool, score_pool, rows, states, ape, positions), "store_states: one device for all")
+    if T == 0:
+        return
+    states = states if states.stride(-1) == 1 else states.contiguous()
+    ape = ape if ape.stride(-1) == 1 else ape.contiguous()
+    _store_states_kernel[(T,)](
+        kv_pool, score_pool, rows, states, ape, positions, w, ape.shape[0], kv_pool.stride(0), states.stride(0),
+        ape.stride(0), BLOCK_W=next_pow2(w), num_warps=4,
+    )
+
+
+@triton.jit
+def _emit_entries_kernel(
+    kv_ptr,  # [S, w] fp32
+    score_ptr,  # [S, w] fp32
+    gather_ptr,  # [M, span] int state rows
+    missing_ptr,  # [M, span] uint8: 1 = no such position
+    weight_ptr,  # [d] norm weight
+    rot_ptr,  # [M, R'/2, 2] fp32 (cos, sin)
+    out_ptr,  # [S', d]
+    out_rows_ptr,  # [M] int
+    span,
+    num_pairs,  # P = d / 2
+    first_rot_pair,  # (d - R') / 2
+    eps,
+    stride_pool,
+    stride_rot,
+    stride_out,
+    OVERLAP: tl.constexpr,  # w = 2d: the first span / 2 rows are the previous window (first-half features)
+    BLOCK_S: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_P)
+    pair_ok = pairs < num_pairs
+    even = 2 * pairs
+    max_e = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    max_o = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    sum_e = tl.zeros([BLOCK_P], tl.float32)
+    sum_o = tl.zeros([BLOCK_P], tl.float32)
+    acc_e = tl.zeros([BLOCK_P], tl.float32)
+    acc_o = tl.zeros([BLOCK_P], tl.float32)
+    for s0 in range(0, span, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = s < span
+        rows = tl.load(gather_ptr + m * span + s, mask=s_ok, other=0).to(tl.int64)
+        dead = s < 0  # [BLOCK_S] rows left out of the softmax
+        col0 = s * 0
+        if OVERLAP:
+            previous = s < span // 2
+            missing = tl.load(missing_ptr + m * span + s, mask=s_ok, other=0) != 0
+            dead = missing & previous
+            col0 = tl.where(previous, 0, 2 * num_pairs)
+        dead = dead | ~s_ok
+        off = rows[:, None] * stride_pool + col0[:, None] + even[None, :]  # [BLOCK_S, BLOCK_P]
+        mask = s_ok[:, None] & pair_ok[None, :]
+        kv_e = tl.load(kv_ptr + off, mask=mask, other=0.0)
+        kv_o = tl.load(kv_ptr + off + 1, mask=mask, other=0.0)
+        sc_e = tl.where(dead[:, None], float("-inf"), tl.load(score_ptr + off, mask=mask, other=0.0))
+        sc_o = tl.where(dead[:, None], float("-inf"), tl.load(score_ptr + off + 1, mask=mask, other=0.0))
+        new_e = tl.maximum(max_e, tl.max(sc_e, axis=0))
+        new_o = tl.maximum(max_o, tl.max(sc_o, axis=0))
+        safe_e = tl.where(new_e == float("-inf"), 0.0, new_e)  # nothing alive yet: keep exp finite
+        safe_o = tl.where(new_o == float("-inf"), 0.0, new_o)
+        p_e = tl.exp(sc_e - safe_e[None, :])
+        p_o = tl.exp(sc_o - safe_o[None, :])
+        alpha_e = tl.exp(max_e - safe_e)
+        alpha_o = tl.exp(max_o - safe_o)
+        sum_e = sum_e * alpha_e + tl.sum(p_e, axis=0)
+        sum_o = sum_o * alpha_o + tl.sum(p_o, axis=0)
+        acc_e = acc_e * alpha_e + tl.sum(p_e * kv_e, axis=0)
+        acc_o = acc_o * alpha_o + tl.sum(p_o * kv_o, axis=0)
+        max_e, max_o = new_e, new_o
+    x_e = tl.where(pair_ok, acc_e / sum_e, 0.0)
+    x_o = tl.where(pair_ok, acc_o / sum_o, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x_e * x_e + x_o * x_o, axis=0) / (2 * num_pairs) + eps)
+    x_e = x_e * rstd * tl.load(weight_ptr + even, mask=pair_ok, other=0.0).to(tl.float32)
+    x_o = x_o * rstd * tl.load(weight_ptr + even + 1, mask=pair_ok, other=0.0).to(tl.float32)
+    k = pairs - first_rot_pair
+    in_rot = pair_ok & (k >= 0)
+    cos = tl.load(rot_ptr + m * stride_rot + 2 * k, mask=in_rot, other=1.0)  # unrotated pairs: cos 1, sin 0
+    sin = tl.load(rot_ptr + m * stride_rot + 2 * k + 1, mask=in_rot, other=0.0)
+    row = tl.load(out_rows_ptr + m).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * stride_out + even, (x_e * cos - x_o * sin).to(dtype), mask=pair_ok)
+    tl.store(out_ptr + row * stride_out + even + 1, (x_e * sin + x_o * cos).to(dtype), mask=pair_ok)
+
+
+@accelerated("emit_entries", "cuda", "rocm", "xpu")
+def emit_entries(
+    kv_pool: torch.Tensor,  # [S, w] fp32
+    score_pool: torch.Tensor,  # [S, w] fp32
+    gather: torch.Tensor,  # [M, span]
+    missing: torch.Tensor,  # [M, span] bool
+    norm_weight: torch.Tensor,  # [d]
+    eps: float,
+    rot: torch.Tensor,  # [M, R'/2] complex64
+    out: torch.Tensor,  # [S', d]
+    out_rows: torch.Tensor,  # [M]
+) -> None:
+    """Triton twin of `ops.compressor.emit_entries` (writes `out` in place)."""
+    d = norm_weight.numel()
+    check(kv_pool.dim() == 2 and kv_pool.shape == score_pool.shape, f"emit_entries: pools must be one [S, w] "
+          f"shape, got {tuple(kv_pool.shape)} and {tuple(score_pool.shape)}")
+    check(kv_pool.dtype == score_pool.dtype == torch.float32, "emit_entries: state pools must be fp32")
+    check(kv_pool.is_contiguous() and score_pool.is_contiguous(), "emit_entries: pools must be contiguous")
+    w = kv_pool.shape[1]
+    check(d % 2 == 0 and w in (d, 2 * d), f"emit_entries: state width {w} must be d or 2d for an even d = {d}")
+    M, span = gather.shape
+    check(missing.shape == gather.shape and missing.dtype == torch.bool,
+          f"emit_entries: missing must be bool {tuple(gather.shape)}, got {missing.dtype} {tuple(missing.shape)}")
+    check(w == d or span % 2 == 0, f"emit_entries: overlapping windows need an even span, got {span}")
+    check(rot.is_complex() and rot.dim() == 2 and rot.shape[0] == M and 2 * rot.shape[1] <= d,
+          f"emit_entries: rot must be complex [{M}, <= {d // 2}], got {rot.dtype} {tuple(rot.shape)}")
+    check(out.dim() == 2 and out.shape[1] == d and out.stride(1) == 1, f"emit_entries: out must be [S', {d}] "
+          f"with unit feature stride, got {tuple(out.shape)}")
+    check(out_rows.shape == (M,), f"emit_entries: out_rows must be [{M}], got {tuple(out_rows.shape)}")
+    check(same_device(kv_pool, score_pool, gather, missing, norm_weight, rot, out, out_rows),
+          "emit_entries: one device for all")
+    if M == 0:
+        return
+    gather = gather if gather.is_contiguous() else gather.contiguous()
+    missing = (missing if missing.is_contiguous() else missing.contiguous()).view(torch.uint8)
+    rot_real = torch.view_as_real(rot.resolve_conj())
+    rot_real = rot_real if rot_real.is_contiguous() else rot_real.contiguous()
+    _emit_entries_kernel[(M,)](
+        kv_pool, score_pool, gather, missing, norm_weight.contiguous(), rot_real, out, out_rows, span, d // 2,
+        (d - 2 * rot.shape[1]) // 2, float(eps), kv_pool.stride(0), rot_real.stride(0), out.stride(0),
+        OVERLAP=w == 2 * d, BLOCK_S=min(next_pow2(span), 32), BLOCK_P=next_pow2(d // 2), num_warps=4,
+    )
