@@ -212,8 +212,8 @@ class Attention(nn.Module):
             ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan, entry_rot, pools["idx_keys"], plan.key_rows)
             iq = self.rotary.apply(ix.wq_b(qr).view(x.shape[0], ix.n_heads, ix.head_dim), pos, rot=rot)
             iw = ix.weights_proj(x).float() * ix.n_heads ** -0.5
-            keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed))]
-            topk = ops.indexer_topk(iq, iw, keys, req, batch.memo(("visible", r), lambda: (pos + 1) // r), ix.topk,
+            keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed)[req])]
+            topk = ops.indexer_topk(iq, iw, keys, None, batch.memo(("visible", r), lambda: (pos + 1) // r), ix.topk,
                                     ix.head_dim ** -0.5)
             indices = self.indices(batch, topk, num_compressed)
         else:  # sliding and heavily compressed layers: the same lists for every layer of the ratio
@@ -230,12 +230,14 @@ class Attention(nn.Module):
 
     def key_rows(self, batch: ForwardBatch, num_compressed: int) -> torch.Tensor:
         """[R, C] `idx_keys` rows of every entry any request of the batch may have (pads: rows of a real block or
-        of the scratch block, never chosen: the indexer masks j >= what the query sees)."""
+        of the scratch block, never chosen: the indexer masks j >= what the query sees). The caller takes each
+        query's row of it, so that a layer gathers its keys once, per query."""
         j = torch.arange(num_compressed, device=batch.positions.device)
         reqs = torch.arange(batch.num_reqs, device=j.device).unsqueeze(1)
         rows = batch.entry_rows(j.expand(batch.num_reqs, -1), reqs, self.ratio,
                                 entries_per_block(batch.block_size, self.ratio), 0)
         return rows.clamp(min=0)
+
 
 def store(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """The one cache write: pool[rows] = values. Rows come from the block tables (padded rows of a static batch

@@ -60,12 +60,19 @@ class ForwardBatch:
 
     def token_rows(self, ratio: int) -> torch.Tensor:
         """[T] rows of this step's tokens in a layer's `attn` pool (raw K=V)."""
-        e = entries_per_block(self.block_size, ratio)
-        return self.memo(("attn", ratio), lambda: self.rows_of(self.positions, self.req_idx, self.block_size + e))
+        return self.memo(("attn", ratio), lambda: self._token_rows(self.block_size + entries_per_block(
+            self.block_size, ratio)))
 
     def state_rows(self) -> torch.Tensor:
         """[T] rows of this step's tokens in per-position pools (compressor / indexer state)."""
-        return self.memo("state", lambda: self.rows_of(self.positions, self.req_idx, self.block_size))
+        return self.memo("state", lambda: self._token_rows(self.block_size))
+
+    def _token_rows(self, rows_per_block: int) -> torch.Tensor:
+        """Tokens' rows in a pool with `rows_per_block` rows per block: one op on the step's (block, offset) of
+        every token, shared by every pool kind (a token's position is never < 0)."""
+        blk, offset = self.memo("token_blocks", lambda: (
+            self.block_tables[self.req_idx, self.positions // self.block_size], self.positions % self.block_size))
+        return torch.add(offset, blk, alpha=rows_per_block)
 
     def sliding_rows(self, window: int, ratio: int) -> torch.Tensor:
         """[T, W] each query's sliding-window rows in a layer's `attn` pool."""

@@ -11,6 +11,7 @@ state rows of its window, normalised, rotated and written to its pool in one op 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from sparkspec.ops.registry import native, ops
 
@@ -70,7 +71,7 @@ def indexer_topk(
     q: torch.Tensor,  # [T, ih, id] indexer queries (RoPE applied)
     weights: torch.Tensor,  # [T, ih] per-head weights (already scaled)
     keys: torch.Tensor,  # [R, C, id] compressed indexer keys of each request (rows past its entries: anything)
-    req_idx: torch.Tensor,  # [T] request of each query
+    req_idx: torch.Tensor | None,  # [T] request of each query; None: keys are already per query ([T, C, id])
     num_visible: torch.Tensor,  # [T] int: entries j < num_visible[t] may be chosen
     topk: int,
     scale: float,
@@ -79,17 +80,15 @@ def indexer_topk(
     entries -> [T, topk] int64 entry ids, -1 padded (ties broken towards the lower id)."""
     T, C = q.shape[0], keys.shape[1]
     k = min(topk, C)
-    out = torch.full((T, topk), -1, dtype=torch.long, device=q.device)
     if k == 0:
-        return out
-    s = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys.float()[req_idx])) * scale
+        return torch.full((T, topk), -1, dtype=torch.long, device=q.device)
+    keys = keys.float() if req_idx is None else keys.float()[req_idx]  # [T, C, id]
+    s = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys)) * scale
     s = (s * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, C]
     visible = torch.arange(C, device=q.device).unsqueeze(0) < num_visible.unsqueeze(1)
-    s = s.masked_fill(~visible, float("-inf"))
+    s = torch.where(visible, s, float("-inf"))
     # a stable sort (not torch.topk, whose tie order is unspecified) keeps equal scores in id order;
     # ties are common: an entry whose ReLU scores are all 0 scores exactly 0
     values, order = torch.sort(s, dim=-1, descending=True, stable=True)
-    values, order = values[:, :k], order[:, :k]
-    ids = torch.where(torch.isfinite(values), order, torch.full_like(order, -1))
-    out[:, :k] = ids
-    return out
+    ids = torch.where(values[:, :k] > float("-inf"), order[:, :k], -1)  # invisible (and NaN) scores: -1
+    return ids if k == topk else F.pad(ids, (0, topk - k), value=-1)
