@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -57,10 +57,37 @@ def build_engine(args, **extra):
     model_dir = Path(args.model) if args.model else _default_model()
     if not model_dir.exists():
         raise ValueError(f"model directory not found: {model_dir}")
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        return build_parallel_engine(args, model_dir, **extra)
     ckpt = load_checkpoint(model_dir, device=args.device, dtype=args.dtype, progress=True)
     spec = args.spec or default_spec(ckpt)
     config = engine_config_from_args(args, spec, **extra)
     return LLMEngine(ckpt.model, ckpt.tokenizer, config, ckpt.drafter_tensors), ckpt
+
+
+def build_parallel_engine(args, model_dir: Path, **extra):
+    """--tensor-parallel-size N: ranks 1.. load their slices in their own processes (one per GPU; gloo on CPU)
+    and follow rank 0 (`distributed.engine.worker_loop`); rank 0, here, loads its slices and returns the
+    `DistributedLLMEngine` the async engine drives, with a heartbeat for the idle ranks."""
+    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.distributed.engine import launch, rank_device
+    from sparkspec.engine.llm import LLM, run_rank
+
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected a positive integer")
+    config = engine_config_from_args(args, args.spec or "none", **extra)  # validates the flags before launching
+    llm_kwargs = {k: getattr(config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                                  "block_size", "kv_cache_memory", "memory_fraction",
+                                                  "enforce_eager", "max_waiting")}
+    llm_kwargs.update(speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
+                      spec_budget=args.spec_budget, expert_parallel=args.enable_expert_parallel)
+    device = rank_device(0, args.device)
+    pg = launch(args.tensor_parallel_size, run_rank, (str(model_dir), args.device, args.dtype, llm_kwargs), device)
+    ckpt = load_checkpoint(model_dir, device=device, dtype=args.dtype, progress=True, parallel=pg,
+                           expert_parallel=args.enable_expert_parallel)
+    engine = LLM(ckpt, parallel=pg, **llm_kwargs).engine
+    engine.start_heartbeat()
+    return engine, ckpt
 
 
 def _default_model() -> Path:
@@ -82,6 +109,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before their streams are cut")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many processes (one per GPU: NCCL; gloo on CPU)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: whole routed experts per process instead of expert slices")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -113,7 +144,13 @@ def cmd_serve(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     server = _server_class()(config, app.state.drain, args.shutdown_timeout)
     async_engine.on_death = server.engine_died
-    server.run()
+    try:
+        server.run()
+    finally:
+        if args.tensor_parallel_size > 1:  # the other ranks stop with rank 0
+            from sparkspec.distributed.engine import finish
+
+            finish(engine)
     if server.failure is not None:
         print(f"sparkspec serve: the engine died ({server.failure!r}); exiting with code 1", file=sys.stderr)
         return 1
