@@ -226,6 +226,25 @@ def test_budget_shrinks_as_batch_grows():
     assert VerificationBudget("fixed", 4).lengths([4, 2], [None, None], 2, 2) == [4, 2]
 
 
+def test_padded_budget_verifies_every_draft_or_none():
+    """Graph steps cost the same for one verified draft as for k: the padded rule verifies all k drafts where
+    their expected tokens pay for the q = 1 + k step (and the drafter), else none, from past acceptance only."""
+    k = 4
+    # R requests: the plain step costs R ms up to 64 rows, the verify step 8x its rows' worth past that
+    points = lambda r: [(r, 0.001 * max(r, 16)), (r * (1 + k), 0.001 * max(r * (1 + k), 16) * (2 if r > 8 else 1))]
+    table = CostTable({r: points(r) for r in (1, 4, 16, 64)}, [(r, 0.0005) for r in (1, 4, 16, 64)])
+    budget = VerificationBudget("adaptive", k, table, padded=True)
+    for _ in range(200):
+        budget.observe(k, 3)  # positions 0-2 accepted, 3 rejected: tau = 1 + ~3 per request
+    conf = [[0.1] * k] * 4  # the drafts' own confidences do not enter the padded rule
+    assert budget.lengths([k, 2, k, 1], conf, 4, 4) == [k, 2, k, 1]
+    assert budget.plan_num_drafts(1, 1) == k and budget.plan_num_drafts(4, 4) == k
+    assert budget.lengths([k] * 64, [None] * 64, 64, 64) == [0] * 64 and budget.plan_num_drafts(64, 64) == 0
+    for _ in range(2000):
+        budget.observe(k, 0)  # nothing accepted any more: speculation never pays
+    assert budget.lengths([k], [None], 1, 1) == [0] and budget.plan_num_drafts(1, 1) == 0
+
+
 def test_acceptance_estimator_and_cost_cache(tmp_path):
     est = AcceptanceEstimator(3, prior=0.5, prior_weight=1, decay=1.0)
     for _ in range(50):

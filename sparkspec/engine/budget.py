@@ -158,9 +158,18 @@ def load_or_measure(key: str, measure: Callable[[], CostTable], cache_dir: Path 
 
 
 class VerificationBudget:
-    """Chooses l_r for every decode request of a step. `fixed` verifies every draft; `adaptive` runs Algorithm 1."""
+    """Chooses l_r for every decode request of a step. `fixed` verifies every draft; `adaptive` runs Algorithm 1,
+    or, on `padded` steps, chooses between verifying every draft and none.
 
-    def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None):
+    Padded steps (CUDA graphs): a decode step runs as a graph of R requests x q rows, q in {1, 1 + k}, so a
+    step that verifies one draft costs the same as one that verifies k for every request. Algorithm 1's token
+    cost does not hold there, and with the early stop it would never pay the jump to q = 1 + k for a first item
+    that is worth less than the jump. The padded rule compares, per step, the expected tokens per second of
+    "draft and verify k for every request" against plain decoding, from the measured (R, q) step times and the
+    online per-position acceptance rates. It reads only past steps, never the drafts at hand, so verification
+    stays lossless."""
+
+    def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None, padded: bool = False):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
@@ -168,7 +177,16 @@ class VerificationBudget:
         self.mode = mode
         self.num_spec_tokens = num_spec_tokens
         self.cost = cost
+        self.padded = padded
         self.estimator = AcceptanceEstimator(max(num_spec_tokens, 1))
+
+    def speculation_pays(self, num_reqs: int) -> bool:
+        """Padded steps: whether drafting k and verifying them all beats plain decoding for `num_reqs` requests."""
+        k = self.num_spec_tokens
+        tau = num_reqs * (1 + sum(survival(self.estimator.rates(k))))
+        spec_s = self.cost.target_seconds(num_reqs, num_reqs * (1 + k)) + self.cost.draft_seconds(num_reqs)
+        plain_s = self.cost.target_seconds(num_reqs, num_reqs)
+        return tau / max(spec_s, 1e-9) > num_reqs / max(plain_s, 1e-9)
 
     def survivals(self, confidences: Sequence[Sequence[float] | None], num_drafts: Sequence[int]) -> list[list[float]]:
         """Confidence-head survival where a drafter gives one, else the online per-position estimate."""
@@ -181,6 +199,8 @@ class VerificationBudget:
                 num_base_tokens: int, num_base_produced: int) -> list[int]:
         if self.mode == "fixed":
             return list(num_drafts)
+        if self.padded:
+            return list(num_drafts) if self.speculation_pays(len(num_drafts)) else [0] * len(num_drafts)
         sps = self.cost.steps_per_second(len(num_drafts))
         return verify_lengths(self.survivals(confidences, num_drafts), sps, num_base_tokens, num_base_produced)
 
@@ -189,6 +209,8 @@ class VerificationBudget:
         0 means this step skips the drafter altogether (no speculation tax)."""
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
+        if self.padded:
+            return self.num_spec_tokens if self.speculation_pays(num_reqs) else 0
         a = survival(self.estimator.rates(self.num_spec_tokens))
         sps = self.cost.steps_per_second(num_reqs)  # includes the drafter's time
         ls = verify_lengths([a] * num_reqs, sps, num_base_tokens, num_reqs)

@@ -38,7 +38,8 @@ class SpecRunner:
     def start(self, runner) -> None:
         """Once the pools exist: measure (or load) the step costs the adaptive budget decides from."""
         cost = self.cost_table(runner) if self.config.spec_budget == "adaptive" else None
-        self.budget = VerificationBudget(self.config.spec_budget, self.num_spec_tokens, cost)
+        self.budget = VerificationBudget(self.config.spec_budget, self.num_spec_tokens, cost,
+                                         padded=runner.graphs is not None)
 
     # ---- before the step ----
     def choose(self, items: list[ScheduledSeq]) -> tuple[list[list[int]], list[int]]:
@@ -73,7 +74,7 @@ class SpecRunner:
                 if stats is not None:
                     stats.num_drafter_skipped_steps += 1
                 return 0
-            k = 1
+            k = self.num_spec_tokens if self.budget.padded else 1  # padded steps verify k or none
         return k
 
     # ---- after the step ----
@@ -111,7 +112,7 @@ class SpecRunner:
         p = next(self.model.parameters())
         key = machine_key(shape, str(p.dtype), str(p.device), torch.__version__, self.proposer.method,
                           str(self.num_spec_tokens), str(self.config.max_num_seqs),
-                          "graphs" if runner.graphs is not None else "eager", "step-v2")
+                          "graphs" if runner.graphs is not None else "eager", "step-v3")
         cache_dir = Path(self.config.cost_cache_dir) if self.config.cost_cache_dir else None
 
         def measure() -> CostTable:
