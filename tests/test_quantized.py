@@ -156,6 +156,8 @@ def test_fp4_experts_stack_once_as_views():
     assert e.w3.scale.data_ptr() == w13.scale[1, I:].data_ptr() and e.w2.weight.data_ptr() == w2.data[1].data_ptr()
     assert all(torch.equal(p, before[n]) for n, p in layer.experts.named_parameters())
     assert torch.equal(w13.dequantize()[1, :I], dequant_fp4(e.w1.weight, e.w1.scale))
+    x = torch.randn(3, H, generator=_gen(4))
+    torch.testing.assert_close(e.w1(x), x @ dequant_fp4(e.w1.weight, e.w1.scale).t())  # its own forward
 
 
 # ---------------------------------------------------------------- loading

@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from sparkspec.models.quant import FP8_BLOCK, dequant_fp8_block
+from sparkspec.models.quant import FP8_BLOCK, dequant_fp8_block, fp8_scale_shape
 from sparkspec.ops.registry import accelerated, native
 
 log = logging.getLogger("sparkspec.ops")
@@ -48,6 +48,9 @@ def fp8_block_linear_accelerated(
     tensors, under autograd or without triton."""
     if x.device.type == "cpu" or (torch.is_grad_enabled() and x.requires_grad):
         return fp8_block_linear(x, weight, scale)
+    if tuple(scale.shape) != fp8_scale_shape(weight.shape):  # e.g. a weight sliced without its scales
+        raise ValueError(f"fp8_block_linear: scale {tuple(scale.shape)} does not fit weight {tuple(weight.shape)}, "
+                         f"expected {fp8_scale_shape(weight.shape)}")
     if scaled_mm_usable(x, weight):
         return fp8_block_linear_scaled_mm(x, weight, scale)
     try:
