@@ -271,6 +271,23 @@ def test_emit_entries(overlap, span, d, half, dtype):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("per_query", [False, True], ids=["by_request", "per_query"])
+@pytest.mark.parametrize("T,ih,dim,C,topk", [(5, 4, 24, 37, 8), (3, 20, 16, 10, 16)])  # C < topk: padded
+def test_indexer_topk(T, ih, dim, C, topk, per_query):
+    gen = _seeded(16)
+    q = _randn(T, ih, dim, gen=gen, dtype=torch.bfloat16)
+    w = _randn(T, ih, gen=gen)
+    keys = _randn(2, C, dim, gen=gen)
+    keys[:, 3] = 0  # an all-zero key: ReLU scores 0, ties broken towards the lower id
+    keys[:, 5] = 0
+    req = torch.arange(T, device=DEVICE) % 2
+    visible = torch.randint(0, C + 1, (T,), generator=gen).to(DEVICE)
+    args = (keys[req], None) if per_query else (keys, req)
+    got = tri_comp.indexer_topk(q, w, *args, visible, topk, 0.3)
+    want = compressor.indexer_topk(q, w, keys, req, visible, topk, 0.3)
+    assert torch.equal(got, want)
+
+
 def test_emit_entries_preconditions_are_messages():
     pool = torch.zeros(10, 12, device=DEVICE)
     with pytest.raises(ValueError, match="state width 12 must be d or 2d"):
@@ -283,7 +300,7 @@ def test_emit_entries_preconditions_are_messages():
 # --------------------------------------------------------------------------------------- dispatch
 
 @pytest.mark.parametrize("name", ["sparse_attention", "mhc_pre", "mhc_post", "hc_head", "rope", "rms_norm",
-                                  "store_states", "emit_entries"])
+                                  "store_states", "emit_entries", "indexer_topk"])
 def test_registered_for_every_accelerator(name):
     for platform in ("cuda", "rocm", "xpu"):
         assert (platform, name) in _ACCEL, f"{name} has no Triton version for {platform}"

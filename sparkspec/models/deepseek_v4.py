@@ -108,11 +108,10 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width))
         self.norm = RMSNorm(head_dim, cfg.rms_norm_eps)
 
-    def store_states(self, kv_pool: torch.Tensor, score_pool: torch.Tensor, x: torch.Tensor,
+    def store_states(self, kv_pool: torch.Tensor, score_pool: torch.Tensor, states: torch.Tensor,
                      batch: ForwardBatch) -> None:
         """This step's per-position partial state -> its rows of the pools: kv [T, c·d] and score + ape[pos % ratio]
-        [T, c·d], fp32, from one GEMM (x [T, H]: the caller casts it to fp32 once for both of a layer's compressors)."""
-        states = F.linear(x.float(), fp32_weight(self.wkv, self.wgate))  # [T, 2·c·d]
+        [T, c·d], fp32. `states` [T, 2·c·d]: (kv, score) from the layer's one GEMM (`Attention.compressor_states`)."""
         ops.store_states(kv_pool, score_pool, batch.state_rows(), states, self.ape, batch.positions)
 
     def emit(
@@ -201,14 +200,14 @@ class Attention(nn.Module):
         topk, num_compressed = None, 0
         if self.compressor is not None:
             plan = batch.emission(r, 2 * r if self.compressor.overlap else r)
-            xf = x.float()  # the compressors' GEMMs run in fp32
-            self.compressor.store_states(pools["comp_kv"], pools["comp_score"], xf, batch)
+            states, index_states = self.compressor_states(x)
+            self.compressor.store_states(pools["comp_kv"], pools["comp_score"], states, batch)
             entry_rot = self.rotary.rotations(batch, ("entries", r), lambda: plan.last + 1 - r)
             self.compressor.emit(pools["comp_kv"], pools["comp_score"], plan, entry_rot, pools["attn"], plan.attn_rows)
             num_compressed = batch.max_seq_len // r
         if self.indexer is not None:
             ix = self.indexer
-            ix.compressor.store_states(pools["idx_kv"], pools["idx_score"], xf, batch)
+            ix.compressor.store_states(pools["idx_kv"], pools["idx_score"], index_states, batch)
             ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan, entry_rot, pools["idx_keys"], plan.key_rows)
             iq = self.rotary.apply(ix.wq_b(qr).view(x.shape[0], ix.n_heads, ix.head_dim), pos, rot=rot)
             iw = ix.weights_proj(x).float() * ix.n_heads ** -0.5
@@ -220,6 +219,16 @@ class Attention(nn.Module):
             indices = batch.memo(("indices", r), lambda: self.indices(batch, None, num_compressed))
         o = ops.sparse_attention(q, pools["attn"], indices, self.attn_sink, self.scale)
         return self.project_out(o, pos, rot)
+
+    def compressor_states(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, H] -> (kv, score) of the compressor [T, 2·c·d] and of the indexer's [T, 2·c·d'] (None without an
+        indexer): one fp32 GEMM for all of them."""
+        parts = [self.compressor.wkv, self.compressor.wgate]
+        if self.indexer is not None:
+            parts += [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
+        states = F.linear(x.float(), fp32_weight(*parts))
+        w = 2 * self.compressor.wkv.weight.shape[0]
+        return states[:, :w], (states[:, w:] if self.indexer is not None else None)
 
     def indices(self, batch: ForwardBatch, topk: torch.Tensor | None, num_compressed: int) -> torch.Tensor:
         if topk is not None:  # CSA: the window and entry rows are per step, this layer's choice one gather

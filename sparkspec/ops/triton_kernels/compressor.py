@@ -194,3 +194,83 @@ def emit_entries(
         (d - 2 * rot.shape[1]) // 2, float(eps), kv_pool.stride(0), rot_real.stride(0), out.stride(0),
         OVERLAP=w == 2 * d, BLOCK_S=min(next_pow2(span), 32), BLOCK_P=next_pow2(d // 2), num_warps=4,
     )
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr,  # [T, ih, id] indexer queries
+    w_ptr,  # [T, ih] per-head weights
+    keys_ptr,  # [K, C, id] fp32 keys (K = R with req_ptr, else T)
+    req_ptr,  # [T] int key set of each query (read only when HAS_REQ)
+    visible_ptr,  # [T] int: entries j < visible may be chosen
+    out_ptr,  # [T, C] fp32 scores, -inf where not visible
+    num_heads,
+    num_entries,  # C
+    head_dim,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_kr,
+    stride_kc,
+    HAS_REQ: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_ok, col_ok, dim_ok = heads < num_heads, cols < num_entries, dims < head_dim
+    key_set = tl.load(req_ptr + t).to(tl.int64) if HAS_REQ else t
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+    k = tl.load(keys_ptr + key_set * stride_kr + cols[:, None].to(tl.int64) * stride_kc + dims[None, :],
+                mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_C, BLOCK_D]
+    s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0) * scale  # [BLOCK_H, BLOCK_C]
+    w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
+    score = tl.sum(s * w[:, None], axis=0)  # [BLOCK_C]
+    visible = tl.load(visible_ptr + t)
+    score = tl.where(cols < visible, score, float("-inf"))
+    tl.store(out_ptr + t * num_entries + cols, score, mask=col_ok)
+
+
+@accelerated("indexer_topk", "cuda", "rocm", "xpu")
+def indexer_topk(
+    q: torch.Tensor,  # [T, ih, id]
+    weights: torch.Tensor,  # [T, ih]
+    keys: torch.Tensor,  # [R, C, id], or [T, C, id] when req_idx is None
+    req_idx: torch.Tensor | None,  # [T]
+    num_visible: torch.Tensor,  # [T]
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """Triton twin of `ops.compressor.indexer_topk`: the scores in one launch, then the same stable sort."""
+    check(q.dim() == 3 and keys.dim() == 3 and q.shape[2] == keys.shape[2],
+          f"indexer_topk: want q [T, ih, id] and keys [*, C, id], got {tuple(q.shape)} and {tuple(keys.shape)}")
+    T, ih, dim = q.shape
+    C = keys.shape[1]
+    check(tuple(weights.shape) == (T, ih), f"indexer_topk: weights must be [{T}, {ih}], got {tuple(weights.shape)}")
+    check(req_idx is not None or keys.shape[0] == T, f"indexer_topk: keys per query must be [{T}, C, id], got "
+          f"{tuple(keys.shape)}")
+    check(num_visible.shape == (T,), f"indexer_topk: num_visible must be [{T}], got {tuple(num_visible.shape)}")
+    check(same_device(q, weights, keys, num_visible), "indexer_topk: one device for all")
+    k = min(topk, C)
+    if k == 0 or T == 0:
+        return torch.full((T, topk), -1, dtype=torch.long, device=q.device)
+    keys = keys.float()
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    scores = torch.empty(T, C, dtype=torch.float32, device=q.device)
+    block_c = 32
+    _indexer_scores_kernel[(T, triton.cdiv(C, block_c))](
+        q, weights, keys, req_idx if req_idx is not None else num_visible, num_visible, scores, ih, C, dim,
+        float(scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1),
+        HAS_REQ=req_idx is not None, BLOCK_H=max(next_pow2(ih), 16), BLOCK_C=block_c,
+        BLOCK_D=max(next_pow2(dim), 16), num_warps=4,
+    )
+    values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    ids = torch.where(values[:, :k] > float("-inf"), order[:, :k], -1)
+    return ids if k == topk else torch.nn.functional.pad(ids, (0, topk - k), value=-1)
