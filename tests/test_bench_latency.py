@@ -93,3 +93,48 @@ def test_truncated_config_keeps_layer_shapes():
     assert small.dspark_target_layer_ids == [3, 4, 5] and small.hidden_size == cfg.hidden_size
     with pytest.raises(ValueError, match="--num-layers 44"):
         truncated(cfg, 44)
+
+
+def test_random_weights_in_the_quantized_layout_give_finite_logits():
+    """--quantization keep on random weights: FP8 attention / shared-expert layers and FP4 routed experts (the
+    layouts a kept checkpoint loads into), values as sane as the plain init's, in fewer bytes."""
+    from sparkspec.models.quantized import Fp4Linear, Fp8Linear
+    from sparkspec.models.random_init import random_model
+
+    cfg = ModelConfig.preset("tiny")
+    cpu = torch.device("cpu")
+    kept, _ = random_model(cfg, cpu, torch.bfloat16, quantization="keep")
+    plain, _ = random_model(cfg, cpu, torch.bfloat16, quantization="dequantize")
+    layer = kept.layers[0]
+    assert isinstance(layer.attn.wq_a, Fp8Linear) and isinstance(layer.ffn.shared_experts.w2, Fp8Linear)
+    assert all(isinstance(e.w1, Fp4Linear) for e in layer.ffn.experts)
+    assert isinstance(kept.head, torch.nn.Linear) and kept.head.weight.dtype == torch.bfloat16
+
+    def nbytes(m):
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+
+    assert nbytes(kept) < 0.7 * nbytes(plain)
+    assert step_bytes(kept, 1, 64) < step_bytes(plain, 1, 64)
+    ids = torch.randint(2, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = forward_sequences(kept, ids, [24]).logits.float()
+        reference = forward_sequences(plain, ids, [24]).logits.float()
+    assert logits.isfinite().all()
+    assert 0.5 < logits.std() / reference.std() < 2  # the dequantised weights have the plain init's std
+
+
+@pytest.mark.parametrize("ranks", [[], ["--tensor-parallel-size", "2", "--enable-expert-parallel"]],
+                         ids=["world1", "tp2_ep"])
+def test_bench_builds_random_weights_quantized(tmp_path, ranks):
+    """`bench latency --quantization keep` with random weights times steps on the FP8 / FP4 layout and counts its
+    bytes (fewer active bytes than the same run in bf16); "auto" stays in bf16 on the CPU, as the loader does."""
+    common = ["--preset", "tiny", "--random-weights", "--batch-sizes", "2", "--output-len", "4", *ranks,
+              "--dtype", "bfloat16"]
+    rows = run([*common, "--quantization", "keep"], tmp_path)
+    meta = json.loads((tmp_path / "lat.json").read_text())["meta"]
+    assert meta["weights"] == "random fp8/fp4 + bfloat16"
+    plain = run(common, tmp_path)
+    assert json.loads((tmp_path / "lat.json").read_text())["meta"]["weights"] == "random bfloat16"
+    assert len(rows) == len(plain) == (2 if ranks else 1)
+    for q, p in zip(rows, plain):
+        assert q["ms_per_step"] > 0 and 0 < q["active_MB_per_token"] < p["active_MB_per_token"]

@@ -200,7 +200,8 @@ def build_model(args, cfg: ModelConfig | None, device: torch.device, dtype: torc
         from sparkspec.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(args.model, device=str(device), dtype=args.dtype, progress=pg is None or pg.rank == 0,
-                               parallel=pg, expert_parallel=args.enable_expert_parallel)
+                               parallel=pg, expert_parallel=args.enable_expert_parallel,
+                               quantization=args.quantization)
         return ckpt.model, ckpt.drafter_tensors, None, None
     if args.compare_transformers:
         from sparkspec.bench.hf_compare import transformers_pair
@@ -218,7 +219,7 @@ def build_model(args, cfg: ModelConfig | None, device: torch.device, dtype: torc
         raise ValueError(f"--spec {args.spec} with random weights: only dspark has a random drafter")
     model, drafter = random_model(cfg, device, dtype, pg, args.enable_expert_parallel, seed=0,
                                   drafter="dspark" if args.spec == "dspark" else None,
-                                  max_bytes=int(0.85 * free) if free else None)
+                                  max_bytes=int(0.85 * free) if free else None, quantization=args.quantization)
     factory = None
     if drafter is not None:
         from sparkspec.spec_decode.dspark import DSparkProposer
@@ -303,7 +304,7 @@ def bench_rank(pg, args) -> list[dict]:
             "output_len": args.output_len, "spec": args.spec, "num_spec_tokens": k or None,
             "tensor_parallel_size": world, "expert_parallel": args.enable_expert_parallel,
             "uniform_routing": args.uniform_routing, "num_layers": model.cfg.num_hidden_layers,
-            "weights": "checkpoint" if args.model else f"random {args.dtype}", "build_s": round(build_s, 1),
+            "weights": "checkpoint" if args.model else random_weights_name(model, args.dtype), "build_s": round(build_s, 1),
             "copy_bandwidth_GBs": round(bandwidth / 1e9, 1)}
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {meta['device']}; model built in {build_s:.1f} s "
           f"({meta['weights']}, {meta['num_layers']} layers, {world} rank(s))", flush=True)
@@ -312,6 +313,15 @@ def bench_rank(pg, args) -> list[dict]:
 
         write_json(args.json, rows, meta)
     return rows
+
+
+def random_weights_name(model, dtype: str) -> str:
+    """'random <dtype>', or 'random fp8/fp4 + <dtype>' when the random target took the quantised layout."""
+    from sparkspec.models.quantized import Fp4Linear, Fp8Linear
+
+    kinds = {type(m) for m in model.modules()} & {Fp8Linear, Fp4Linear}
+    names = "/".join(n for n, cls in (("fp8", Fp8Linear), ("fp4", Fp4Linear)) if cls in kinds)
+    return f"random {names} + {dtype}" if names else f"random {dtype}"
 
 
 def add_latency_parser(sub) -> argparse.ArgumentParser:
@@ -338,6 +348,10 @@ def add_latency_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-spec-tokens", type=int, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "keep", "dequantize"],
+                   help="keep: FP8 attention / shared-expert and FP4 routed-expert layers stay quantised (random "
+                        "weights: made in that layout); auto: so off the CPU when the checkpoint / preset is "
+                        "quantised; dequantize: all in --dtype")
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     p.add_argument("--profile", action="store_true", help="also profile 8 decode steps per batch size")
