@@ -20,7 +20,8 @@ import triton.language as tl
 
 from sparkspec.ops.triton_kernels.common import check, on_interpreter, same_device
 
-FP8_BLOCK = 128  # models.quant.FP8_BLOCK (a constexpr here)
+FP8_BLOCK = 128  # models.quant.FP8_BLOCK
+SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # the same inside kernels (they may read only constexpr globals)
 
 
 @triton.jit
@@ -96,7 +97,7 @@ def _fp8_linear_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    num_kb = (K + FP8_BLOCK - 1) // FP8_BLOCK
+    num_kb = (K + SCALE_BLOCK - 1) // SCALE_BLOCK
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -105,7 +106,7 @@ def _fp8_linear_kernel(
                      mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        s = tl.load(s_ptr + (cols // FP8_BLOCK) * num_kb + k0 // FP8_BLOCK, mask=col_ok, other=0.0)  # [BLOCK_N]
+        s = tl.load(s_ptr + (cols // SCALE_BLOCK) * num_kb + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)  # [BLOCK_N]
         if IEEE:
             acc = tl.dot(xt, tl.trans(w * s[:, None]), acc, input_precision="ieee")
         else:
