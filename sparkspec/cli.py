@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-budget", choices=["fixed", "adaptive"], default="fixed",
                    help="fixed: always draft k tokens; adaptive: the engine's measured verification budget")
     g.add_argument("--device", default=None)
+    g.add_argument("--quantization", choices=["auto", "keep", "dequantize"], default="auto", help="FP8 / FP4 checkpoint weights: keep them quantised (FP8 GEMMs, FP4 experts), dequantize them to --dtype, or auto (keep on GPUs, dequantize on CPU)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (one per GPU, or gloo on CPU)")
@@ -170,7 +171,7 @@ def cmd_generate(args) -> int:
     if tp > 1:  # every rank loads its own slices once the group exists; prompts are sized from the config
         cfg, tokenizer = _config_and_tokenizer(args.model)
     else:
-        ckpt = load_checkpoint(args.model, device=device, progress=True)
+        ckpt = load_checkpoint(args.model, device=device, progress=True, quantization=args.quantization)
         cfg, tokenizer = ckpt.config, ckpt.tokenizer
     prompts = encode_prompts(items, tokenizer, args.model)
     max_pos = cfg.max_position_embeddings
@@ -187,9 +188,9 @@ def cmd_generate(args) -> int:
         from sparkspec.distributed.engine import launch
         from sparkspec.engine.llm import run_rank
 
-        pg = launch(tp, run_rank, (str(args.model), args.device, None, llm_kwargs), device)
+        pg = launch(tp, run_rank, (str(args.model), args.device, None, llm_kwargs, args.quantization), device)
         ckpt = load_checkpoint(args.model, device=device, progress=True, parallel=pg,
-                               expert_parallel=args.enable_expert_parallel)
+                               expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
     try:
         llm = LLM(ckpt, parallel=pg, **llm_kwargs)
         t0 = time.perf_counter()

@@ -101,12 +101,13 @@ def parallel_engine_kwargs(pg, speculative: str, spec_budget: str) -> dict:
     return out
 
 
-def run_rank(pg, model_path: str, device: str | None, dtype: str | None, llm_kwargs: dict) -> None:
+def run_rank(pg, model_path: str, device: str | None, dtype: str | None, llm_kwargs: dict,
+             quantization: str = "auto") -> None:
     """Ranks 1.. of a tensor-parallel run: load this rank's slices only, build the same engine as rank 0, then
     follow it."""
     from sparkspec.checkpoint import load_checkpoint
     from sparkspec.distributed.engine import rank_device, worker_loop
 
     ckpt = load_checkpoint(model_path, device=rank_device(pg.rank, device), dtype=dtype, parallel=pg,
-                           expert_parallel=llm_kwargs.get("expert_parallel", False))
+                           expert_parallel=llm_kwargs.get("expert_parallel", False), quantization=quantization)
     worker_loop(LLM(ckpt, parallel=pg, **llm_kwargs).engine, pg)

@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", choices=["auto", "keep", "dequantize"], default="auto", help="FP8 / FP4 checkpoint weights: keep them quantised (FP8 GEMMs, FP4 experts), dequantize them to --dtype, or auto (keep on GPUs, dequantize on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA / HIP graphs (by default decode and verify steps replay captured graphs on a GPU)")
 
@@ -59,7 +60,8 @@ def build_engine(args, **extra):
         raise ValueError(f"model directory not found: {model_dir}")
     if getattr(args, "tensor_parallel_size", 1) > 1:
         return build_parallel_engine(args, model_dir, **extra)
-    ckpt = load_checkpoint(model_dir, device=args.device, dtype=args.dtype, progress=True)
+    ckpt = load_checkpoint(model_dir, device=args.device, dtype=args.dtype, progress=True,
+                           quantization=getattr(args, "quantization", "auto"))
     spec = args.spec or default_spec(ckpt)
     config = engine_config_from_args(args, spec, **extra)
     return LLMEngine(ckpt.model, ckpt.tokenizer, config, ckpt.drafter_tensors), ckpt
@@ -82,9 +84,11 @@ def build_parallel_engine(args, model_dir: Path, **extra):
     llm_kwargs.update(speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
                       spec_budget=args.spec_budget, expert_parallel=args.enable_expert_parallel)
     device = rank_device(0, args.device)
-    pg = launch(args.tensor_parallel_size, run_rank, (str(model_dir), args.device, args.dtype, llm_kwargs), device)
+    quantization = getattr(args, "quantization", "auto")
+    pg = launch(args.tensor_parallel_size, run_rank,
+                (str(model_dir), args.device, args.dtype, llm_kwargs, quantization), device)
     ckpt = load_checkpoint(model_dir, device=device, dtype=args.dtype, progress=True, parallel=pg,
-                           expert_parallel=args.enable_expert_parallel)
+                           expert_parallel=args.enable_expert_parallel, quantization=quantization)
     engine = LLM(ckpt, parallel=pg, **llm_kwargs).engine
     engine.start_heartbeat()
     return engine, ckpt

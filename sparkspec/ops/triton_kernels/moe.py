@@ -64,6 +64,7 @@ def _moe_up_kernel(
     INTER: tl.constexpr,
     IEEE: tl.constexpr,
     FP4: tl.constexpr,
+    HALF_DOT: tl.constexpr,  # bf16 x and bf16-exact weight tiles on a GPU: the dot takes bf16 operands
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -81,13 +82,18 @@ def _moe_up_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < HIDDEN
             xt = tl.load(x_ptr + tok[:, None] * stride_xt + ks[None, :],
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             w1 = weight_tile(w13_ptr, s13_ptr, gate_rows, col_ok, k0, HIDDEN, BLOCK_K, FP4)  # [BLOCK_N, BLOCK_K]
             w3 = weight_tile(w13_ptr, s13_ptr, gate_rows + INTER, col_ok, k0, HIDDEN, BLOCK_K, FP4)
-            if IEEE:
+            if HALF_DOT:  # bf16 operands, fp32 accumulation: the products are exact either way
+                gate = tl.dot(xt, tl.trans(w1.to(xt.dtype)), gate)
+                up = tl.dot(xt, tl.trans(w3.to(xt.dtype)), up)
+            elif IEEE:
+                xt = xt.to(tl.float32)
                 gate = tl.dot(xt, tl.trans(w1), gate, input_precision="ieee")
                 up = tl.dot(xt, tl.trans(w3), up, input_precision="ieee")
             else:
+                xt = xt.to(tl.float32)
                 gate = tl.dot(xt, tl.trans(w1), gate)
                 up = tl.dot(xt, tl.trans(w3), up)
         gate = tl.minimum(gate, limit)
@@ -207,10 +213,14 @@ def moe_experts_triton(
     out = torch.empty(P, H, device=x.device, dtype=torch.float32)  # pair order; every pair is written
     grid_m = min(P, triton.cdiv(P, bm) + E)
     ieee = x.dtype == torch.float32 or w13.dtype == torch.float32  # FP4 tiles are exact in tf32
+    # the up projection's dot in bf16 when x and the weight tiles are exact in it (bf16 weights, or FP4 codes
+    # times power-of-two scales), on a GPU (the interpreter's bf16 dots are wrong); the products are exact and
+    # the sums fp32 either way. The down projection reads fp32 activations and keeps fp32 dots.
+    half_dot = x.dtype == torch.bfloat16 and (fp4 or w13.dtype == torch.bfloat16) and not on_interpreter(x)
     e_p = max(next_pow2(E), 2)
     _moe_up_kernel[(grid_m, triton.cdiv(I, cfg.block_n))](
         x, order, ends, block_ends, w13, s13, act, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I,
-        IEEE=ieee, FP4=fp4, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
+        IEEE=ieee, FP4=fp4, HALF_DOT=half_dot, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _moe_down_kernel[(grid_m, triton.cdiv(H, cfg.block_n))](
         act, order, ends, block_ends, w2, s2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I,
