@@ -26,8 +26,16 @@ def engine(model, tensors=None, proposer=None, method="none", static=False, **kw
     eng = LLMEngine(model, None, cfg, tensors, proposer)
     if static:
         k = eng.spec.num_spec_tokens if eng.spec else 0
-        eng.runner.use_graphs(cfg.max_num_seqs, eng.max_model_len, k, eager=True)
+        eng.runner.use_graphs(cfg.max_num_seqs, eng.max_model_len, k, eager=True,
+                              max_num_batched_tokens=cfg.max_num_batched_tokens)
     return eng
+
+
+def record_keys(eng: LLMEngine) -> list:
+    """The keys of the static steps `eng` runs from now on."""
+    used, run = [], eng.runner.graphs.run
+    eng.runner.graphs.run = lambda key, flat: used.append(key) or run(key, flat)
+    return used
 
 
 def test_capture_sizes():
@@ -45,13 +53,33 @@ def test_static_padded_steps_equal_dynamic_steps(method):
     proposer = ReplayProposer(prompts, plain, 3, 2, cfg.vocab_size) if method == "replay" else None
     m = "none" if proposer else method
     eng = engine(model, tensors, proposer, m, static=True)
-    used = []
-    run = eng.runner.graphs.run
-    eng.runner.graphs.run = lambda key, flat: used.append(key) or run(key, flat)
+    used = record_keys(eng)
     assert [o.token_ids for o in eng.generate(prompts, params)] == plain
     assert used and {k.q for k in used} <= {1, 4} and {k.num_reqs for k in used} <= {1, 2, 4, 8}
     if method != "none":
         assert eng.stats.num_accepted > 0 or method != "replay"
+
+
+@pytest.mark.parametrize("method", ["none", "dspark", "mtp"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_one_request_prefill_runs_as_a_static_step(method, temperature):
+    """A lone request's prompt (and, with a small token budget, its last chunk) runs padded to a prefill length:
+    the padded rows write only past the prompt, the sampled row is the prompt's last, and the drafter's first
+    drafts come from the same static step. Tokens equal the dynamic steps'."""
+    cfg, model, tensors = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, [3, 9, 17, 30, 5], seed=8)
+    params = SamplingParams(max_tokens=10, temperature=temperature, seed=11, ignore_eos=True)
+    for budget in (None, 24):  # 24: the 30-token prompt is chunked, its last chunk samples
+        kw = {} if budget is None else {"max_num_batched_tokens": budget}
+        want = [engine(model, tensors, method=method, **kw).generate([p], params)[0].token_ids for p in prompts]
+        eng = engine(model, tensors, method=method, static=True, **kw)
+        used = record_keys(eng)
+        assert [eng.generate([p], params)[0].token_ids for p in prompts] == want
+        prefill_keys = {k for k in used if k.draft_cols == 0 and k.q > 1}
+        assert {k.q for k in prefill_keys} == ({16, 32} if budget is None else {16})
+        assert all(k.num_reqs == 1 for k in prefill_keys)
+        if method != "none":
+            assert {k.num_drafts for k in prefill_keys} == {3}
 
 
 def sampled_params(filtered: bool) -> list[SamplingParams]:
@@ -76,9 +104,7 @@ def test_static_steps_keep_seeded_sampling(method, filtered):
     params = sampled_params(filtered)
     want = engine(model, tensors, method=method).generate(prompts, params)
     eng = engine(model, tensors, method=method, static=True)
-    used = []
-    run = eng.runner.graphs.run
-    eng.runner.graphs.run = lambda key, flat: used.append(key) or run(key, flat)
+    used = record_keys(eng)
     got = eng.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]

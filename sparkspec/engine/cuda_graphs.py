@@ -4,7 +4,8 @@ rejection sampler and the device drafter, replayed as one graph.
 Legend: R requests padded to a captured size, q rows per request (1 for plain decode, 1 + k to verify k
 drafts), T = R·q rows, W block-table columns.
 
-A step whose every request is a decode row (its pending token plus up to q - 1 drafts) runs as the graph of its
+A step whose every request is a decode row (its pending token plus up to q - 1 drafts), or that prefills one
+request's prompt (or its last chunk) of at most q tokens and samples after it, runs as the graph of its
 `GraphKey`: requests are padded with dummy requests whose block tables hold only the cache's scratch block, and
 a request with fewer drafts is padded with dummy rows. Every padded row writes only into the scratch block, or
 into positions past the request's committed length, which the step that commits them rewrites before anything
@@ -20,7 +21,8 @@ on how many follow).
 
 Inputs live in one static int64 buffer per graph, laid out as the batch, then the step's named parts
 (`step_io.Upload`): a step packs its integers on the host, copies them to the device once and then into the
-buffer, and replays. Prefill and mixed steps, and steps that return logprobs, run eagerly.
+buffer, and replays. Prefills of several requests, chunks that do not sample, mixed steps, and steps that
+return logprobs run eagerly.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class GraphKey(NamedTuple):
     q: int  # rows per request
     mode: str  # one of SAMPLING_MODES
     num_drafts: int  # drafts proposed at the end of the step (0 = the drafter does not run)
+    draft_cols: int  # K, drafts a request may verify: q - 1 for decode / verify rows, 0 for a prefill
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -74,7 +77,7 @@ class GraphRunner:
 
     def __init__(self, cache: KVCache, ratios: tuple[int, ...], step: StepFn, dummy_upload: UploadFn,
                  max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...], eager: bool = False,
-                 preserve: tuple[torch.Tensor, ...] = ()):
+                 preserve: tuple[torch.Tensor, ...] = (), prefill_lens: tuple[int, ...] = ()):
         """`step` runs one step on the device (captured as is); `eager`: build the same static, padded batches
         but run them eagerly (tests on CPU use it to check the padding; on a GPU it is only slower). `preserve`:
         state a step reads before it writes it (the drafter's q of the last proposal): a capture while serving
@@ -83,7 +86,8 @@ class GraphRunner:
         self.preserve = preserve
         self.sizes = capture_sizes(max_num_seqs)
         self.query_lens = tuple(sorted(set(query_lens)))
-        self.width = -(-(max_model_len + max(self.query_lens)) // cache.block_size) + 1
+        self.prefill_lens = tuple(sorted(q for q in set(prefill_lens) if q > max(self.query_lens)))
+        self.width = -(-(max_model_len + max(self.query_lens + self.prefill_lens)) // cache.block_size) + 1
         self.eager = eager
         self.graphs: dict[GraphKey, StaticGraph] = {}
         self.pool = None
@@ -92,10 +96,14 @@ class GraphRunner:
 
     # ---- shapes ----
     def key_for(self, num_reqs: int, num_rows: int, mode: str, num_drafts: int) -> GraphKey | None:
-        """The captured key for `num_reqs` decode requests of at most `num_rows` rows each, if any."""
+        """The captured key for `num_reqs` requests of at most `num_rows` rows each, if any: decode / verify
+        rows at any captured batch size, or one request's whole prompt (or last chunk) at a prefill length."""
         q = next((q for q in self.query_lens if q >= num_rows), None)
-        R = next((s for s in self.sizes if s >= num_reqs), None)
-        return None if q is None or R is None else GraphKey(R, q, mode, num_drafts)
+        if q is not None:
+            R = next((s for s in self.sizes if s >= num_reqs), None)
+            return None if R is None else GraphKey(R, q, mode, num_drafts, q - 1)
+        q = next((q for q in self.prefill_lens if q >= num_rows), None)
+        return None if q is None or num_reqs != 1 else GraphKey(1, q, mode, num_drafts, 0)
 
     def pack(self, key: GraphKey, ids: list[list[int]], block_tables: list[list[int]], starts: list[int]
              ) -> list[int]:
@@ -133,8 +141,9 @@ class GraphRunner:
         torch.cuda.synchronize(self.cache.device)
         self.capture_seconds += time.perf_counter() - t0
         self.graph_bytes += max(free_before - torch.cuda.mem_get_info(self.cache.device)[0], 0)
-        log.info("captured %d CUDA graphs (R in %s, q in %s) in %.1f s, %.0f MiB", len(self.graphs), self.sizes,
-                 self.query_lens, self.capture_seconds, self.graph_bytes / 2**20)
+        log.info("captured %d CUDA graphs (R in %s, q in %s; prefill of one request: q in %s) in %.1f s, %.0f MiB",
+                 len(self.graphs), self.sizes, self.query_lens, self.prefill_lens, self.capture_seconds,
+                 self.graph_bytes / 2**20)
 
     @torch.inference_mode()
     def capture_one(self, key: GraphKey) -> None:

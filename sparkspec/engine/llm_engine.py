@@ -105,7 +105,8 @@ class LLMEngine:
             drafter_bytes_per_token=self.spec.proposer.bytes_per_position() if self.spec else 0)
         self.runner.allocate(self.kv_plan.num_blocks, self.kv_plan.block_size)  # block ids ARE pool rows
         if self.runner.device.type == "cuda" and not config.enforce_eager:  # HIP builds report "cuda" too
-            self.runner.use_graphs(config.max_num_seqs, self.max_model_len, num_lookahead)
+            self.runner.use_graphs(config.max_num_seqs, self.max_model_len, num_lookahead,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
         bm = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens,

@@ -107,6 +107,8 @@ class DecodeOutput:
     sampling: SamplingTensors | None = None  # (eager steps only)
 
 
+# query lengths a one-request prefill is padded to (TTFT of short prompts: one graph instead of an eager forward)
+PREFILL_LENS = (16, 32, 64, 128, 256, 512)
 MODE_FLAGS = {"greedy": (True, False, False), "sample": (False, False, False), "filter": (False, True, True)}
 
 
@@ -134,19 +136,25 @@ class ModelRunner:
         self.q_store: torch.Tensor | None = None
         self.graphs = None  # GraphRunner: decode / verify steps as CUDA graphs (see `cuda_graphs.py`)
 
-    def use_graphs(self, max_num_seqs: int, max_model_len: int, num_spec_tokens: int, eager: bool = False) -> None:
-        """Decode (q = 1) and verify (q = 1 + num_spec_tokens) steps run as graphs, captured now for the greedy
-        and plain sampling modes (with and without drafting); `eager` builds the same static steps and runs them
+    def use_graphs(self, max_num_seqs: int, max_model_len: int, num_spec_tokens: int, eager: bool = False,
+                   max_num_batched_tokens: int = 0) -> None:
+        """Decode (q = 1) and verify (q = 1 + num_spec_tokens) steps, and the prefill of one request at the
+        lengths of PREFILL_LENS up to `max_num_batched_tokens`, run as graphs, captured now for the greedy and
+        plain sampling modes (with and without drafting); `eager` builds the same static steps and runs them
         eagerly (tests of the padding on CPU)."""
         from sparkspec.engine.cuda_graphs import GraphRunner
 
         query_lens = (1, 1 + num_spec_tokens) if num_spec_tokens else (1,)
+        prefill_lens = tuple(q for q in PREFILL_LENS if q <= max(max_num_batched_tokens, 1))
         self.graphs = GraphRunner(self.cache, self.ratios, self.graph_step, self.dummy_upload, max_num_seqs,
                                   max_model_len, query_lens, eager=eager,
-                                  preserve=() if self.q_store is None else (self.q_store,))
+                                  preserve=() if self.q_store is None else (self.q_store,), prefill_lens=prefill_lens)
         drafts = (0, self.proposer.num_spec_tokens) if self.drafts_on_device else (0,)
-        self.graphs.capture_all([self.graphs.key_for(R, q, mode, d) for R in self.graphs.sizes for q in query_lens
-                                 for mode in ("greedy", "sample") for d in drafts])
+        modes = ("greedy", "sample")
+        shapes = [(R, q) for R in self.graphs.sizes for q in self.graphs.query_lens]
+        shapes += [(1, q) for q in self.graphs.prefill_lens]
+        self.graphs.capture_all([self.graphs.key_for(R, q, mode, d) for R, q in shapes for mode in modes
+                                 for d in drafts])
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """The pools every block id of the engine's block manager addresses (target and drafter)."""
@@ -210,11 +218,13 @@ class ModelRunner:
     def graph_key(self, p: StepPlan) -> GraphKey | None:
         """The captured step a pure decode / verify step without logprobs runs as, or None (eager)."""
         items = p.items
-        if self.graphs is None or p.prompt_items or not all(it.num_tokens == 1 and it.samples for it in items) \
+        if self.graphs is None or p.prompt_items or not all(it.samples for it in items) \
                 or any(sp.logprobs is not None for sp in p.params):
             return None
+        if len(items) > 1 and any(it.num_tokens > 1 for it in items):  # prefills: of one request only
+            return None
         num_drafts = self.proposer.num_spec_tokens if p.num_drafts else 0
-        return self.graphs.key_for(len(items), 1 + p.K, p.mode, num_drafts)
+        return self.graphs.key_for(len(items), max(len(ids) for ids in p.item_ids), p.mode, num_drafts)
 
     def plan(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
              num_next_drafts: int) -> StepPlan:
@@ -236,8 +246,7 @@ class ModelRunner:
                 logits_rows += range(rows + it.num_tokens - 1, rows + it.num_tokens + len(d))
             p.item_ids.append(seq.token_ids(nc, nc + it.num_tokens) + d)
             if self.capture.get("capture_final_streams"):  # MTP reads the token after every row
-                after = seq.token_ids(nc + 1, nc + it.num_tokens + 1)
-                p.next_host += after + [0] * (it.num_tokens + len(d) - len(after))
+                p.next_host += self.next_tokens(it, it.num_tokens + len(d))
             rows += it.num_tokens + len(d)
         p.logits_rows = logits_rows
         params = p.params
@@ -249,11 +258,11 @@ class ModelRunner:
         first = np.cumsum([0] + [len(ids) for ids in p.item_ids]).tolist()  # first forward row of every item
         if p.key is not None:  # the static layout: request i owns rows i·q .. i·q + q - 1, logits for every row
             R, q = p.key.num_reqs, p.key.q
-            p.K, p.num_drafts = q - 1, p.key.num_drafts
+            p.K, p.num_drafts = p.key.draft_cols, p.key.num_drafts
             first = [i * q for i in range(R + 1)]
-            first_lrow = {i: i * q for i in range(R)}
-            if p.next_host:
-                p.next_host = [0] * (R * q)  # decode rows: the token after each row is emitted this step
+            first_lrow = {i: i * q + (items[i].num_tokens - 1 if i < len(items) else 0) for i in range(R)}
+            if p.next_host:  # per request: the tokens after its chunk's rows (decode rows: emitted this step)
+                p.next_host = [t for it in items for t in self.next_tokens(it, q)] + [0] * ((R - len(items)) * q)
         V = self.model.cfg.vocab_size
         p.logprob_rows = [r for r, sp in enumerate(params) if sp.logprobs is not None]
         p.num_top = min(max((sp.logprobs for sp in params if sp.logprobs is not None), default=0), V)
@@ -281,14 +290,21 @@ class ModelRunner:
             up.add("prompt_next", prompt_next)
         return p
 
+    @staticmethod
+    def next_tokens(it: ScheduledSeq, num_rows: int) -> list[int]:
+        """The token after each of an item's `num_rows` rows, where known (its chunk's), then 0."""
+        nc = it.seq.num_cached_tokens
+        after = it.seq.token_ids(nc + 1, nc + it.num_tokens + 1)
+        return after + [0] * (num_rows - len(after))
+
     def dummy_upload(self, key: GraphKey) -> Upload:
         """The parts of a step of `key.num_reqs` dummy requests (the static inputs a graph is captured on)."""
         p = StepPlan([], [])
-        p.key, p.K = key, key.q - 1
+        p.key, p.K = key, key.draft_cols
         if self.capture.get("capture_final_streams"):
             p.next_host = [0] * (key.num_reqs * key.q)
         R, q, up = key.num_reqs, key.q, p.upload
-        up.add("gather", [i * q for i in range(R) for _ in range(q)])
+        up.add("gather", [i * q for i in range(R) for _ in range(p.K + 1)])
         up.add("draft_ids", [-1] * (p.K * R))
         for name, value in (("q_rows", -1), ("top_k", 0), ("seeds", 0), ("positions", 0)):
             up.add(name, [value] * R)
@@ -310,7 +326,7 @@ class ModelRunner:
 
     def graph_step(self, key: GraphKey, batch, dev: dict) -> DecodeOutput:
         """The body of a captured step: forward, accept, draft (no logits kept: graph steps return no logprobs)."""
-        res = self.decode(batch, self.model(batch, **self.capture), dev, key.num_reqs, key.q - 1, key.mode,
+        res = self.decode(batch, self.model(batch, **self.capture), dev, key.num_reqs, key.draft_cols, key.mode,
                           key.num_drafts)
         res.logits = res.sampling = None
         return res
