@@ -160,7 +160,7 @@ class ModelRunner:
         """The pools every block id of the engine's block manager addresses (target and drafter)."""
         self.cache = KVCache(self.model, num_blocks, block_size)
         if self.proposer is not None:
-            self.proposer.allocate(num_blocks, block_size, self.device, next(self.model.parameters()).dtype)
+            self.proposer.allocate(num_blocks, block_size, self.device, self.model.embed.weight.dtype)
         if self.drafts_on_device:
             self.q_store = torch.zeros(self.max_num_seqs, self.proposer.num_spec_tokens, self.model.cfg.vocab_size,
                                        device=self.device)

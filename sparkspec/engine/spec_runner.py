@@ -109,7 +109,7 @@ class SpecRunner:
     def cost_table(self, runner) -> CostTable:
         cfg = self.model.cfg
         shape = json.dumps(cfg.to_dict(), sort_keys=True)
-        p = next(self.model.parameters())
+        p = self.model.embed.weight  # the compute dtype (a bf16 model's first parameter is fp32 mHC)
         key = machine_key(shape, str(p.dtype), str(p.device), torch.__version__, self.proposer.method,
                           str(self.num_spec_tokens), str(self.config.max_num_seqs),
                           "graphs" if runner.graphs is not None else "eager", "step-v3")

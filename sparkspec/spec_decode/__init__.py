@@ -33,8 +33,10 @@ def default_num_spec_tokens(method: str, model: DeepseekV4Model) -> int:
 
 
 def _place(drafter: torch.nn.Module, model: DeepseekV4Model) -> torch.nn.Module:
-    p = next(model.parameters())
-    return drafter.to(device=p.device, dtype=p.dtype).keep_fp32().eval()
+    """The drafter on the target's device in the target's compute dtype (its embedding's: the first parameter
+    of a bf16 model is an fp32 mHC tensor), with the same fp32 exceptions."""
+    w = model.embed.weight
+    return drafter.to(device=w.device, dtype=w.dtype).keep_fp32().eval()
 
 
 def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[str, torch.Tensor] | None = None,

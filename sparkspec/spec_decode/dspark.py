@@ -34,8 +34,7 @@ class DSparkProposer(Proposer):
         self.window = drafter.window
 
     def bytes_per_position(self) -> int:
-        p = next(self.drafter.parameters())
-        return self.drafter.num_layers * self.target.cfg.head_dim * p.element_size()
+        return self.drafter.num_layers * self.target.cfg.head_dim * self.target.embed.weight.element_size()
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         D = self.target.cfg.head_dim

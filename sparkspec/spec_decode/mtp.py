@@ -35,7 +35,7 @@ class MTPProposer(Proposer):
         self._streams: torch.Tensor | None = None  # [T] layer output of the last observed step
 
     def bytes_per_position(self) -> int:
-        return self.target.cfg.head_dim * next(self.drafter.parameters()).element_size()
+        return self.target.cfg.head_dim * self.target.embed.weight.element_size()
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         rows = (num_blocks + 1) * block_size + 1  # + the scratch block and the trash row
