@@ -140,7 +140,8 @@ def cmd_serve(args) -> int:
           file=sys.stderr)
     if engine.runner.graphs is not None:
         g = engine.runner.graphs
-        print(f"CUDA graphs: {len(g.graphs)} captured (batch sizes {g.sizes}, query lengths {list(g.query_lens)}) in "
+        print(f"CUDA graphs: {len(g.graphs)} captured (batch sizes {g.sizes}, query lengths {list(g.query_lens)}, "
+              f"one-request prefills of {list(g.prefill_lens)} tokens) in "
               f"{g.capture_seconds:.1f} s, {g.graph_bytes / 2**20:.0f} MiB", file=sys.stderr)
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, name, default_max_tokens=args.default_max_tokens,
