@@ -28,21 +28,24 @@ from sparkspec.ops.triton_kernels.quant import weight_tile
 @triton.jit
 def _row_block(
     ends_ptr,  # [E] int32 end row of each expert's group (sorted order)
-    block_ends_ptr,  # [E] int32 end row block of each expert
     num_experts,
     BLOCK_M: tl.constexpr,
     E_P: tl.constexpr,
 ):
-    """This program's row block -> (expert, rows [BLOCK_M] in sorted order, row mask); expert == E: no block."""
+    """This program's row block -> (expert, rows [BLOCK_M] in sorted order, row mask); expert == E: no block.
+    Expert e's rows take ceil(n_e / BLOCK_M) blocks; every program derives the block ends from `ends` itself
+    (E_P values), which saves the host-side launches that computed them."""
     pid = tl.program_id(0)
     es = tl.arange(0, E_P)
-    block_ends = tl.load(block_ends_ptr + es, mask=es < num_experts, other=0x7FFFFFFF)
+    real = es < num_experts
+    ends = tl.load(ends_ptr + es, mask=real, other=0)
+    starts = tl.load(ends_ptr + es - 1, mask=real & (es > 0), other=0)
+    block_ends = tl.cumsum((ends - starts + BLOCK_M - 1) // BLOCK_M, axis=0)
+    block_ends = tl.where(real, block_ends, 0x7FFFFFFF)
     e = tl.sum((block_ends <= pid).to(tl.int32), axis=0)
-    has = e < num_experts
-    prev = tl.maximum(e - 1, 0)
-    first_block = tl.load(block_ends_ptr + prev, mask=has & (e > 0), other=0)
-    start = tl.load(ends_ptr + prev, mask=has & (e > 0), other=0)
-    end = tl.load(ends_ptr + e, mask=has, other=0)
+    first_block = tl.sum(tl.where(es == e - 1, block_ends, 0), axis=0)  # 0 for e = 0
+    start = tl.sum(tl.where(es == e, starts, 0), axis=0)
+    end = tl.sum(tl.where(es == e, ends, 0), axis=0)  # 0 when e == E: no rows
     rows = start + (pid - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
     return e, rows, rows < end
 
@@ -52,7 +55,6 @@ def _moe_up_kernel(
     x_ptr,  # [T, H] (row stride stride_xt)
     order_ptr,  # [P] int64 pair of each sorted row
     ends_ptr,  # [E] int32
-    block_ends_ptr,  # [E] int32
     w13_ptr,  # [E, 2I, H] contiguous (FP4: [E, 2I, H/2] uint8)
     s13_ptr,  # FP4: [E, 2I, H/32] uint8 e8m0; else unused
     act_ptr,  # [P, I] fp32 contiguous, sorted rows
@@ -70,7 +72,7 @@ def _moe_up_kernel(
     BLOCK_K: tl.constexpr,
     E_P: tl.constexpr,
 ):
-    e, rows, row_ok = _row_block(ends_ptr, block_ends_ptr, num_experts, BLOCK_M, E_P)
+    e, rows, row_ok = _row_block(ends_ptr, num_experts, BLOCK_M, E_P)
     if e < num_experts:
         tok = tl.load(order_ptr + rows, mask=row_ok, other=0) // num_slots  # [BLOCK_M] int64
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of I
@@ -108,7 +110,6 @@ def _moe_down_kernel(
     act_ptr,  # [P, I] fp32 contiguous, sorted rows
     order_ptr,  # [P] int64
     ends_ptr,  # [E] int32
-    block_ends_ptr,  # [E] int32
     w2_ptr,  # [E, H, I] contiguous (FP4: [E, H, I/2] uint8)
     s2_ptr,  # FP4: [E, H, I/32] uint8 e8m0; else unused
     weight_ptr,  # [P] fp32 routing weight of each pair
@@ -123,7 +124,7 @@ def _moe_down_kernel(
     BLOCK_K: tl.constexpr,
     E_P: tl.constexpr,
 ):
-    e, rows, row_ok = _row_block(ends_ptr, block_ends_ptr, num_experts, BLOCK_M, E_P)
+    e, rows, row_ok = _row_block(ends_ptr, num_experts, BLOCK_M, E_P)
     if e < num_experts:
         pair = tl.load(order_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M] int64
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of H
@@ -207,8 +208,6 @@ def moe_experts_triton(
     order, ends = sort_by_expert(ids, E)  # [P] int64, [E] int32
     cfg = config or default_config(P, on_interpreter(x))
     bm = cfg.block_m
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
-    block_ends = torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)  # [E]
     act = torch.empty(P, I, device=x.device, dtype=torch.float32)  # sorted rows, kept fp32 (1 rounding)
     out = torch.empty(P, H, device=x.device, dtype=torch.float32)  # pair order; every pair is written
     grid_m = min(P, triton.cdiv(P, bm) + E)
@@ -219,11 +218,11 @@ def moe_experts_triton(
     half_dot = x.dtype == torch.bfloat16 and (fp4 or w13.dtype == torch.bfloat16) and not on_interpreter(x)
     e_p = max(next_pow2(E), 2)
     _moe_up_kernel[(grid_m, triton.cdiv(I, cfg.block_n))](
-        x, order, ends, block_ends, w13, s13, act, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I,
+        x, order, ends, w13, s13, act, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I,
         IEEE=ieee, FP4=fp4, HALF_DOT=half_dot, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _moe_down_kernel[(grid_m, triton.cdiv(H, cfg.block_n))](
-        act, order, ends, block_ends, w2, s2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I,
+        act, order, ends, w2, s2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I,
         IEEE=ieee, FP4=fp4, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(T, A, H).sum(dim=1).to(x.dtype)
