@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from sparkspec.engine.block_manager import BlockManager
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.kv_cache import KVCachePlan, plan_kv_cache
-from sparkspec.engine.model_runner import ModelRunner, StepResult
+from sparkspec.engine.model_runner import ModelRunner
 from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from sparkspec.engine.sequence import Sequence, TokenSource
+from sparkspec.engine.step_result import StepResult
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.tokenizer import IncrementalDetokenizer
 

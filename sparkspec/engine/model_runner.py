@@ -20,45 +20,13 @@ import torch
 from sparkspec.engine.cuda_graphs import GraphKey
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.step_io import Download, Upload, float_bits
+from sparkspec.engine.step_result import StepResult, read_step
 from sparkspec.models.cache import KVCache
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.forward_batch import build_batch, to_device
 from sparkspec.ops.sampling import SamplingTensors, gather_logprobs, logprobs_for
 from sparkspec.spec_decode.proposer import StepRows
 from sparkspec.spec_decode.rejection import RejectionSampler
-
-Logprobs = list[dict[int, float]]  # per token: {id: logprob}, the top-N highest first, then the token if not among them
-
-
-@dataclass
-class SampledRow:
-    """One sampling request's result, on the host."""
-
-    num_accepted: int  # L: drafts accepted
-    token_ids: list[int]  # the L + 1 emitted tokens
-    next_drafts: list[int]  # drafts proposed for the next step (empty when none were asked for)
-    next_confidences: list[float] | None
-    logprobs: Logprobs | None = None  # [L + 1] when the request asks for logprobs
-
-
-@dataclass
-class StepResult:
-    rows: dict[int, SampledRow]  # item index -> result, for the items that sample
-    draft_probs: torch.Tensor | None  # the runner's `q_store` when the next drafts have a q (row = `draft_row`)
-    draft_row: dict[int, int]  # item index -> row of draft_probs
-    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)  # item index -> its chunk's prompt tokens
-
-
-def logprob_dicts(token_ids: list[int], pieces: list[list[float]], row: int, n: int, num_top: int) -> Logprobs:
-    """Host copy of `gather_logprobs` (`pieces`: picked [R], then values and ids [R * num_top] when num_top),
-    rows row.. for `token_ids`, of which the request shows n alternatives -> one dict per token."""
-    picked, values, ids = (pieces + [[], []])[:3]
-    out = []
-    for r, tok in enumerate(token_ids, row):
-        d = {int(ids[r * num_top + j]): values[r * num_top + j] for j in range(n)}
-        d.setdefault(tok, picked[r])
-        out.append(d)
-    return out
 
 
 def prompt_rows(seq, start: int, num_tokens: int) -> range:
@@ -187,7 +155,7 @@ class ModelRunner:
             head = self.graphs.pack(p.key, p.item_ids, [it.seq.block_ids for it in items],
                                     [it.seq.num_cached_tokens for it in items])
             _, res = self.graphs.run(p.key, to_device(head + p.upload.flat(), self.device))
-            return self.read(p, self.fetch(down, res, len(p.sampling)))
+            return read_step(p, self.fetch(down, res, len(p.sampling)), self.q_store)
         batch, out, dev = self.forward(p)
         if p.prompt_items:  # prompt tokens: the model's raw distribution
             lp = torch.log_softmax(out.logits[dev["prompt_rows"]].float(), -1)
@@ -196,13 +164,13 @@ class ModelRunner:
             if self.drafts_on_device:  # a prefill chunk: context only
                 empty = batch.positions[:0]
                 self.proposer.observe(StepRows(batch, out, dev["next_ids"], empty, empty, empty, empty, None))
-            return self.read(p, down.fetch())
+            return read_step(p, down.fetch(), self.q_store)
         res = self.decode(batch, out, dev, len(p.sampling), p.K, p.mode, p.num_drafts)
         if p.logprob_rows:  # rows 0..K of the requests that ask (rows past L are read back but dropped)
             lp_t, K1 = dev["logprob_rows"], p.K + 1
             lp = logprobs_for(res.logits[lp_t].flatten(0, 1), res.sampling.index_select(lp_t).repeat_interleave(K1))
             down.add("sampled", *gather_logprobs(lp, res.tokens[lp_t].flatten(), p.num_top))
-        return self.read(p, self.fetch(down, res, len(p.sampling)))
+        return read_step(p, self.fetch(down, res, len(p.sampling)), self.q_store)
 
     @staticmethod
     def fetch(down: Download, res: DecodeOutput, S: int) -> dict:
@@ -375,38 +343,3 @@ class ModelRunner:
                         pending_rows + num_accepted, st)
         self.proposer.observe(step)
         return self.proposer.propose(step, k)
-
-    def read(self, p: StepPlan, host: dict) -> StepResult:
-        """The host copy -> per item: accepted count, emitted tokens, next drafts, logprobs."""
-        prompt = self.read_prompt_logprobs(host.get("prompt", []), p.items, p.prompt_items, p.num_prompt_top)
-        if not p.sampling:
-            return StepResult({}, None, {}, prompt)
-        K1, k, keep = p.K + 1, p.num_drafts, p.keep_drafts
-        L = [int(x) for x in host["accepted"][0]]
-        toks = host["tokens"][0]
-        nxt = host["drafts"][0] if "drafts" in host else []
-        conf = host["confidences"][0] if "confidences" in host else None
-        lp_of = {r: j for j, r in enumerate(p.logprob_rows)}
-        rows = {}
-        for r, i in enumerate(p.sampling):
-            emitted = [int(t) for t in toks[r * K1 : r * K1 + L[r] + 1]]
-            lps = None
-            if r in lp_of:
-                lps = logprob_dicts(emitted, host["sampled"], lp_of[r] * K1, min(p.params[r].logprobs, p.num_top),
-                                    p.num_top)
-            rows[i] = SampledRow(L[r], emitted, [int(t) for t in nxt[r * k : r * k + keep]],
-                                 conf[r * k : r * k + keep] if conf else None, lps)
-        next_probs = self.q_store if k and p.mode != "greedy" else None
-        return StepResult(rows, next_probs, {i: r for r, i in enumerate(p.sampling)}, prompt)
-
-    @staticmethod
-    def read_prompt_logprobs(pieces: list[list[float]], items: list[ScheduledSeq],
-                             prompt_items: list[tuple[int, int, int]], num_top: int) -> dict[int, Logprobs]:
-        """The prompt part of the copy -> item index -> dicts of the prompt tokens its chunk scored."""
-        out, row = {}, 0
-        for i, start, n in prompt_items:  # the rows from position `start` score prompt tokens start + 1..
-            seq = items[i].seq
-            out[i] = logprob_dicts(seq.prompt_ids[start + 1 : start + 1 + n], pieces, row,
-                                   min(seq.params.prompt_logprobs, num_top), num_top)
-            row += n
-        return out

@@ -1,0 +1,84 @@
+"""What a step returns to the engine: the one device->host copy read back into per-request results (accepted
+counts, emitted tokens, the next drafts with their confidences, logprobs). Pure Python over the host lists that
+`step_io.Download.fetch` gives; `ModelRunner.execute` ends here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sparkspec.engine.model_runner import StepPlan
+    from sparkspec.engine.scheduler import ScheduledSeq
+
+Logprobs = list[dict[int, float]]  # per token: {id: logprob}, the top-N highest first, then the token if not among them
+
+
+@dataclass
+class SampledRow:
+    """One sampling request's result, on the host."""
+
+    num_accepted: int  # L: drafts accepted
+    token_ids: list[int]  # the L + 1 emitted tokens
+    next_drafts: list[int]  # drafts proposed for the next step (empty when none were asked for)
+    next_confidences: list[float] | None
+    logprobs: Logprobs | None = None  # [L + 1] when the request asks for logprobs
+
+
+@dataclass
+class StepResult:
+    rows: dict[int, SampledRow]  # item index -> result, for the items that sample
+    draft_probs: torch.Tensor | None  # the runner's `q_store` when the next drafts have a q (row = `draft_row`)
+    draft_row: dict[int, int]  # item index -> row of draft_probs
+    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)  # item index -> its chunk's prompt tokens
+
+
+def logprob_dicts(token_ids: list[int], pieces: list[list[float]], row: int, n: int, num_top: int) -> Logprobs:
+    """Host copy of `gather_logprobs` (`pieces`: picked [R], then values and ids [R * num_top] when num_top),
+    rows row.. for `token_ids`, of which the request shows n alternatives -> one dict per token."""
+    picked, values, ids = (pieces + [[], []])[:3]
+    out = []
+    for r, tok in enumerate(token_ids, row):
+        d = {int(ids[r * num_top + j]): values[r * num_top + j] for j in range(n)}
+        d.setdefault(tok, picked[r])
+        out.append(d)
+    return out
+
+
+def read_step(p: StepPlan, host: dict, q_store: torch.Tensor | None) -> StepResult:
+    """The host copy of step `p` -> per item: accepted count, emitted tokens, next drafts, logprobs. `q_store`:
+    the runner's buffer of draft distributions, which the step rewrote when it proposed sampled drafts."""
+    prompt = read_prompt_logprobs(host.get("prompt", []), p.items, p.prompt_items, p.num_prompt_top)
+    if not p.sampling:
+        return StepResult({}, None, {}, prompt)
+    K1, k, keep = p.K + 1, p.num_drafts, p.keep_drafts
+    L = [int(x) for x in host["accepted"][0]]
+    toks = host["tokens"][0]
+    nxt = host["drafts"][0] if "drafts" in host else []
+    conf = host["confidences"][0] if "confidences" in host else None
+    lp_of = {r: j for j, r in enumerate(p.logprob_rows)}
+    rows = {}
+    for r, i in enumerate(p.sampling):
+        emitted = [int(t) for t in toks[r * K1 : r * K1 + L[r] + 1]]
+        lps = None
+        if r in lp_of:
+            lps = logprob_dicts(emitted, host["sampled"], lp_of[r] * K1, min(p.params[r].logprobs, p.num_top),
+                                p.num_top)
+        rows[i] = SampledRow(L[r], emitted, [int(t) for t in nxt[r * k : r * k + keep]],
+                             conf[r * k : r * k + keep] if conf else None, lps)
+    next_probs = q_store if k and p.mode != "greedy" else None
+    return StepResult(rows, next_probs, {i: r for r, i in enumerate(p.sampling)}, prompt)
+
+
+def read_prompt_logprobs(pieces: list[list[float]], items: list[ScheduledSeq],
+                         prompt_items: list[tuple[int, int, int]], num_top: int) -> dict[int, Logprobs]:
+    """The prompt part of the copy -> item index -> dicts of the prompt tokens its chunk scored."""
+    out, row = {}, 0
+    for i, start, n in prompt_items:  # the rows from position `start` score prompt tokens start + 1..
+        seq = items[i].seq
+        out[i] = logprob_dicts(seq.prompt_ids[start + 1 : start + 1 + n], pieces, row,
+                               min(seq.params.prompt_logprobs, num_top), num_top)
+        row += n
+    return out
