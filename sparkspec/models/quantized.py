@@ -105,6 +105,15 @@ def keep_quantized_(model: nn.Module, plan: dict[str, TensorSource], strict: boo
                 raise CheckpointError(f"tensor '{name}.weight' cannot stay quantised: {problem}")
             continue
         chosen[name] = cls
+    return swap_layers_(model, chosen, moe_experts)
+
+
+def swap_layers_(model: nn.Module, chosen: dict[str, type[nn.Module]], moe_experts: dict[str, list[str]]
+                 ) -> list[str]:
+    """Replace each chosen `nn.Linear` of a meta model with an empty `Fp8Linear` / `Fp4Linear` of its (rank's)
+    shape; an MoE layer's routed experts (`moe_experts`: layer -> expert linears) go all or none, since they are
+    stacked. Stacked expert weights made before are dropped (`ops.moe.stack_experts_` makes new ones).
+    -> names of the replaced layers."""
     for experts in moe_experts.values():
         if not all(n in chosen for n in experts):
             for n in experts:
@@ -113,15 +122,10 @@ def keep_quantized_(model: nn.Module, plan: dict[str, TensorSource], strict: boo
         owner, _, attr = name.rpartition(".")
         out_features, in_features = model.get_submodule(name).weight.shape  # a rank's slice when sharded
         setattr(model.get_submodule(owner), attr, cls(in_features, out_features, device="meta"))
-    _forget_stacks(model)
-    return sorted(chosen)
-
-
-def _forget_stacks(model: nn.Module) -> None:
-    """Stacked expert weights made before the surgery are stale (`ops.moe.stack_experts_` makes new ones)."""
     for module in model.modules():
         if hasattr(module, "_stacked_experts"):
             del module._stacked_experts
+    return sorted(chosen)
 
 
 def quantized_bytes(model: nn.Module) -> int:

@@ -115,7 +115,7 @@ def quantize_layers_(model: nn.Module, cuts: dict) -> list[str]:
     A layer whose rank cut (`cuts`, from `shard_`) is not on its scale blocks stays plain (a tiny config's
     slices; the real models' cuts all are); routed experts go all or none per MoE layer (they are stacked).
     -> names of the replaced layers."""
-    from sparkspec.models.quantized import FP4_LAYERS, FP8_LAYERS, Fp4Linear, Fp8Linear
+    from sparkspec.models.quantized import FP4_LAYERS, FP8_LAYERS, Fp4Linear, Fp8Linear, swap_layers_
 
     chosen: dict[str, type[nn.Module]] = {}
     moe_experts: dict[str, list[str]] = {}  # MoE layer -> its routed expert linears
@@ -134,18 +134,7 @@ def quantize_layers_(model: nn.Module, cuts: dict) -> list[str]:
             fits = fits and cut.start % blocks[cut.dim] == 0 and cut.stop % blocks[cut.dim] == 0
         if fits:
             chosen[name] = cls
-    for experts in moe_experts.values():
-        if not all(n in chosen for n in experts):
-            for n in experts:
-                chosen.pop(n, None)
-    for name, cls in chosen.items():
-        owner, _, attr = name.rpartition(".")
-        out_features, in_features = model.get_submodule(name).weight.shape
-        setattr(model.get_submodule(owner), attr, cls(in_features, out_features, device="meta"))
-    for module in model.modules():  # a stack made before the surgery holds the replaced weights
-        if hasattr(module, "_stacked_experts"):
-            del module._stacked_experts
-    return sorted(chosen)
+    return swap_layers_(model, chosen, moe_experts)
 
 
 def random_quantized(kind: str, shape: tuple[int, int], fan_in: int, g: torch.Generator,
