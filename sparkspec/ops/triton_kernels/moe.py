@@ -22,7 +22,7 @@ import triton.language as tl
 
 from sparkspec.models.quant import Quantized
 from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter, same_device
-from sparkspec.ops.triton_kernels.quant import weight_tile
+from sparkspec.ops.triton_kernels.quant import dot_t, weight_tile
 
 
 @triton.jit
@@ -88,16 +88,11 @@ def _moe_up_kernel(
             w1 = weight_tile(w13_ptr, s13_ptr, gate_rows, col_ok, k0, HIDDEN, BLOCK_K, FP4)  # [BLOCK_N, BLOCK_K]
             w3 = weight_tile(w13_ptr, s13_ptr, gate_rows + INTER, col_ok, k0, HIDDEN, BLOCK_K, FP4)
             if HALF_DOT:  # bf16 operands, fp32 accumulation: the products are exact either way
-                gate = tl.dot(xt, tl.trans(w1.to(xt.dtype)), gate)
-                up = tl.dot(xt, tl.trans(w3.to(xt.dtype)), up)
-            elif IEEE:
-                xt = xt.to(tl.float32)
-                gate = tl.dot(xt, tl.trans(w1), gate, input_precision="ieee")
-                up = tl.dot(xt, tl.trans(w3), up, input_precision="ieee")
+                w1, w3 = w1.to(xt.dtype), w3.to(xt.dtype)
             else:
                 xt = xt.to(tl.float32)
-                gate = tl.dot(xt, tl.trans(w1), gate)
-                up = tl.dot(xt, tl.trans(w3), up)
+            gate = dot_t(xt, w1, gate, IEEE)
+            up = dot_t(xt, w3, up, IEEE)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         act = gate * tl.sigmoid(gate) * up
@@ -137,10 +132,7 @@ def _moe_down_kernel(
             a = tl.load(act_ptr + rows[:, None].to(tl.int64) * INTER + ks[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K] fp32
             w = weight_tile(w2_ptr, s2_ptr, w_rows, col_ok, k0, INTER, BLOCK_K, FP4)  # [BLOCK_N, BLOCK_K]
-            if IEEE:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+            acc = dot_t(a, w, acc, IEEE)
         wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)  # [BLOCK_M]
         tl.store(out_ptr + pair[:, None] * HIDDEN + cols[None, :], acc * wt[:, None],
                  mask=row_ok[:, None] & col_ok[None, :])

@@ -61,6 +61,15 @@ def fp4_tile(
 
 
 @triton.jit
+def dot_t(a, w, acc, IEEE: tl.constexpr):
+    """acc + a · wᵀ (a [M, K], w [N, K]): exact fp32 products when IEEE, else the default dot (tf32 on fp32
+    operands, the operands' own precision on 16-bit ones)."""
+    if IEEE:
+        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
 def weight_tile(
     w_ptr,  # [R, K] (plain) or [R, K/2] uint8 (FP4)
     s_ptr,  # FP4: [R, ceil(K/32)] uint8; plain: unused
@@ -107,10 +116,7 @@ def _fp8_linear_kernel(
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         s = tl.load(s_ptr + (cols // SCALE_BLOCK) * num_kb + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)  # [BLOCK_N]
-        if IEEE:
-            acc = tl.dot(xt, tl.trans(w * s[:, None]), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(w * s[:, None]), acc)
+        acc = dot_t(xt, w * s[:, None], acc, IEEE)
     tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
