@@ -213,8 +213,6 @@ class ModelRunner:
                 first_lrow[i] = len(logits_rows)
                 logits_rows += range(rows + it.num_tokens - 1, rows + it.num_tokens + len(d))
             p.item_ids.append(seq.token_ids(nc, nc + it.num_tokens) + d)
-            if self.capture.get("capture_final_streams"):  # MTP reads the token after every row
-                p.next_host += self.next_tokens(it, it.num_tokens + len(d))
             rows += it.num_tokens + len(d)
         p.logits_rows = logits_rows
         params = p.params
@@ -222,20 +220,39 @@ class ModelRunner:
         p.mode = sampling_mode(params)
         p.num_drafts = p.keep_drafts = num_next_drafts if self.drafts_on_device and p.sampling else 0
         p.key = self.graph_key(p)
-        S = R = len(p.sampling)
+        R = len(p.sampling)
         first = np.cumsum([0] + [len(ids) for ids in p.item_ids]).tolist()  # first forward row of every item
+        item_rows = [len(ids) for ids in p.item_ids]
         if p.key is not None:  # the static layout: request i owns rows i·q .. i·q + q - 1, logits for every row
             R, q = p.key.num_reqs, p.key.q
             p.K, p.num_drafts = p.key.draft_cols, p.key.num_drafts
             first = [i * q for i in range(R + 1)]
             first_lrow = {i: i * q + (items[i].num_tokens - 1 if i < len(items) else 0) for i in range(R)}
-            if p.next_host:  # per request: the tokens after its chunk's rows (decode rows: emitted this step)
-                p.next_host = [t for it in items for t in self.next_tokens(it, q)] + [0] * ((R - len(items)) * q)
+            item_rows = [q] * len(items)
+        if self.capture.get("capture_final_streams"):  # MTP reads the token after every row (past them: 0)
+            p.next_host = [t for it, n in zip(items, item_rows) for t in self.next_tokens(it, n)]
+            if p.key is not None:
+                p.next_host += [0] * ((R - len(items)) * p.key.q)  # a graph's dummy requests
         V = self.model.cfg.vocab_size
         p.logprob_rows = [r for r, sp in enumerate(params) if sp.logprobs is not None]
         p.num_top = min(max((sp.logprobs for sp in params if sp.logprobs is not None), default=0), V)
         p.num_prompt_top = min(max((items[i].seq.params.prompt_logprobs for i, _, _ in p.prompt_items), default=0), V)
-        # per sampling request; a graph's dummy requests (S..R-1) own their rows, sample greedily and verify nothing
+        self.add_request_parts(p, R, first, first_lrow, draft_rows)
+        if p.key is None:  # eager extras (a graph step has none of them)
+            p.upload.add("logprob_rows", p.logprob_rows)
+            p.upload.add("prompt_rows", prompt_lrows)
+            p.upload.add("prompt_next", prompt_next)
+        return p
+
+    @staticmethod
+    def add_request_parts(p: StepPlan, R: int, first: list[int], first_lrow: dict[int, int],
+                          draft_rows: list[int]) -> None:
+        """The per-request parts of `p.upload` for its sampling requests, then requests S..R-1: a graph's dummy
+        requests, which own their rows, sample greedily and verify nothing (with no sampling requests at all,
+        the static inputs a graph is captured on). `first`: first forward row of every request (and the total);
+        `first_lrow`: logits row of each request's first verified token."""
+        items, drafts, params = p.items, p.drafts, p.params
+        S = len(p.sampling)
         reqs = p.sampling + list(range(S, R))
         num_drafts = [len(drafts[i]) for i in p.sampling] + [0] * (R - S)
         pads = R - S
@@ -252,11 +269,6 @@ class ModelRunner:
         up.add("temperature", float_bits([sp.temperature for sp in params] + [0.0] * pads))
         up.add("top_p", float_bits([sp.top_p for sp in params] + [1.0] * pads))
         up.add("next_ids", p.next_host)
-        if p.key is None:  # eager extras (a graph step has none of them)
-            up.add("logprob_rows", p.logprob_rows)
-            up.add("prompt_rows", prompt_lrows)
-            up.add("prompt_next", prompt_next)
-        return p
 
     @staticmethod
     def next_tokens(it: ScheduledSeq, num_rows: int) -> list[int]:
@@ -269,19 +281,11 @@ class ModelRunner:
         """The parts of a step of `key.num_reqs` dummy requests (the static inputs a graph is captured on)."""
         p = StepPlan([], [])
         p.key, p.K = key, key.draft_cols
+        R, q = key.num_reqs, key.q
         if self.capture.get("capture_final_streams"):
-            p.next_host = [0] * (key.num_reqs * key.q)
-        R, q, up = key.num_reqs, key.q, p.upload
-        up.add("gather", [i * q for i in range(R) for _ in range(p.K + 1)])
-        up.add("draft_ids", [-1] * (p.K * R))
-        for name, value in (("q_rows", -1), ("top_k", 0), ("seeds", 0), ("positions", 0)):
-            up.add(name, [value] * R)
-        up.add("reqs", list(range(R)))
-        up.add("pending_rows", [i * q for i in range(R)])
-        up.add("temperature", float_bits([0.0] * R))
-        up.add("top_p", float_bits([1.0] * R))
-        up.add("next_ids", p.next_host)
-        return up
+            p.next_host = [0] * (R * q)
+        self.add_request_parts(p, R, [i * q for i in range(R + 1)], {i: i * q for i in range(R)}, [])
+        return p.upload
 
     def forward(self, p: StepPlan):
         """The one host->device copy and the target forward, eagerly -> (batch, output, the uploaded parts)."""
