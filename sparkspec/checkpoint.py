@@ -9,7 +9,6 @@ Every user-facing problem is a one-line `CheckpointError` (a `ValueError`) namin
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import time
@@ -425,32 +424,14 @@ def write_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tens
 
 
 def random_target_tensors(cfg: ModelConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random fp32 weights under official names, scaled so that a random model still emits varied tokens:
-    linears N(0, 1/fan_in), embeddings N(0, 1), head N(0, 4/H) (logits of std ~2), norms and hc scales 1,
-    small nonzero sinks / ape / router bias / hc biases, and distinct random experts per token for hash layers."""
-
-    def normal(shape, std):
-        return torch.randn(shape, generator=generator) * std
+    """Random fp32 weights under official names (int64 `tid2eid`), by `random_init.init_rule`: scaled so that a
+    random model still emits varied tokens (logits of std ~2)."""
+    from sparkspec.models.random_init import init_rule
 
     out = {}
     for name, (shape, dtype) in expected_shapes(cfg).items():
-        if name.endswith("tid2eid"):  # [V, A] distinct experts per token
-            v, a = shape
-            out[name] = torch.rand(v, cfg.n_routed_experts, generator=generator).argsort(-1)[:, :a].to(dtype)
-        elif name.endswith(("norm.weight", "_scale")):
-            out[name] = torch.ones(shape)
-        elif name.endswith(("attn_sink", ".ape")):
-            out[name] = normal(shape, 0.3)
-        elif name.endswith(("gate.bias", "_base")):
-            out[name] = normal(shape, 0.1)
-        elif name == "embed.weight":
-            out[name] = normal(shape, 1.0)
-        elif name == "head.weight":
-            out[name] = normal(shape, 2.0 / math.sqrt(shape[1]))
-        elif name.endswith(("_fn", ".weight")) and len(shape) == 2:
-            out[name] = normal(shape, 1.0 / math.sqrt(shape[1]))
-        else:
-            raise AssertionError(f"no init rule for tensor '{name}' {shape}")
+        out[name] = torch.empty(shape, dtype=dtype if name.endswith("tid2eid") else torch.float32)
+        init_rule(name, out[name], shape[-1] if len(shape) == 2 else 0, generator, cfg)
     return out
 
 

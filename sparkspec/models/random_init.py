@@ -58,8 +58,8 @@ def random_model(cfg, device: torch.device, dtype: torch.dtype, pg=None, expert_
     whole experts per rank with `expert_parallel`), and only then is each tensor allocated on `device`, in the
     dtype it is used in, and filled there (`fill_`). Nothing touches the disk or the host memory.
 
-    Values: the rules of `checkpoint.random_target_tensors` (unit-RMS activations through mHC, attention and
-    MoE: linears N(0, 1/fan_in) with the fan-in of the whole tensor, embedding N(0, 1), head N(0, 4/H), ...).
+    Values: `init_rule` (unit-RMS activations through mHC, attention and MoE), as `checkpoint.random_target_tensors`
+    uses it.
     Replicated tensors are equal on every rank (their seed is their name), so every rank routes and samples the
     same; a slice gets a seed of its own per rank, and an expert-parallel rank's experts the seeds of their
     global ids (the same values a single process would hold). `max_bytes`: refuse (ValueError, before anything is
@@ -207,30 +207,36 @@ def fill_(model: nn.Module, device: torch.device, seed: int, cuts: dict, pg=None
                     assign_tensor(model, f"{owner_name}.scale", scale)
                 continue
             t = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            init_rule(prefix + name, t, fan_in, g, model)
+            init_rule(prefix + name, t, fan_in, g, model.cfg)
             assign_tensor(model, name, t)
         for m in model.modules():  # stack each layer's experts now, while only one layer's copy is extra
             if hasattr(m, "experts") and hasattr(m, "shared_experts") and len(m.experts):
                 expert_weights(m)
 
 
-def init_rule(name: str, t: torch.Tensor, fan_in: int, g: torch.Generator, model: nn.Module) -> None:
-    """Fill `t` (on its device, in its dtype) as `checkpoint.random_target_tensors` would a tensor `name`."""
+def init_rule(name: str, t: torch.Tensor, fan_in: int, g: torch.Generator, cfg) -> None:
+    """Fill `t` (on its device, in its dtype) with the random weights of a tensor `name`, the rules of every
+    random model (`checkpoint.random_target_tensors` and `random_model`): linears and the mHC mixes N(0, 1/fan_in)
+    with the fan-in of the whole tensor, lookup tables N(0, 1), head N(0, 4/H), norms and hc scales 1, small
+    nonzero sinks / ape / router bias / hc biases, distinct random experts per token for hash layers."""
+
+    def normal(std: float) -> None:
+        torch.randn(t.shape, generator=g, out=t).mul_(std)
+
     if name.endswith("tid2eid"):  # [V, A] distinct experts per token id
-        num_experts = model.cfg.n_routed_experts
-        scores = torch.rand(t.shape[0], num_experts, generator=g, device=t.device)
+        scores = torch.rand(t.shape[0], cfg.n_routed_experts, generator=g, device=t.device)
         t.copy_(scores.argsort(-1)[:, : t.shape[1]])
     elif name.endswith(("norm.weight", "_scale")):
         t.fill_(1.0)
     elif name.endswith(("attn_sink", ".ape")):
-        t.normal_(0, 0.3, generator=g)
+        normal(0.3)
     elif name.endswith(("gate.bias", "_base")):
-        t.normal_(0, 0.1, generator=g)
+        normal(0.1)
     elif name.endswith(("embed.weight", "markov_w1.weight")):  # lookup tables: unit rows
-        t.normal_(0, 1.0, generator=g)
+        normal(1.0)
     elif name == "head.weight":
-        t.normal_(0, 2.0 / model.cfg.hidden_size ** 0.5, generator=g)
+        normal(2.0 / cfg.hidden_size ** 0.5)
     elif t.dim() == 2:  # linears and the mHC mixes: N(0, 1 / fan_in of the whole tensor)
-        t.normal_(0, fan_in ** -0.5, generator=g)
+        normal(fan_in ** -0.5)
     else:
         raise AssertionError(f"no init rule for tensor '{name}' {tuple(t.shape)}")
