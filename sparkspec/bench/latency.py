@@ -58,7 +58,7 @@ def step_bytes(model, batch: int, context: int, rows_per_request: int = 1, unifo
     experts = model.layers[0].ffn.experts  # this rank's: all of them (width slices) or E / W whole ones
     expert = sum(p.numel() * p.element_size() for p in experts[0].parameters())
     total += int(cfg.num_hidden_layers * hit * len(experts) * expert)
-    elt = next(model.parameters()).element_size()
+    elt = model.embed.weight.element_size()  # the attn pool's dtype (`KVCache`); the first parameter is fp32 mHC
     kv = 0
     for layer in range(cfg.num_hidden_layers):
         rows = min(context, cfg.sliding_window)
