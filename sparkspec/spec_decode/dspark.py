@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
 from sparkspec.models.dspark import DSparkDraftModel
-from sparkspec.ops.indices import window_rows
 from sparkspec.ops.sampling import STREAM_DRAFT, probs_for, sample
 from sparkspec.spec_decode.proposer import DraftBatch, Proposer, StepRows
 
@@ -70,10 +69,8 @@ class DSparkProposer(Proposer):
     def propose(self, step: StepRows, k: int) -> DraftBatch:
         d, R, W = self.drafter, step.reqs.shape[0], self.window
         dev = step.pending_ids.device
-        b = step.batch
-        rows = window_rows(step.pending_pos, step.reqs, b.block_tables, b.block_size, W)  # [R, W], -1 before 0
-        ctx_kv = [torch.where((rows >= 0).unsqueeze(-1), pool[rows.clamp(min=0)], 0).flatten(0, 1)
-                  for pool in self.pools]  # per stage [R·W, D]
+        rows, windows = self.gather_windows(step, W)  # [R, W] (-1 before position 0), per stage [R, W, D]
+        ctx_kv = [w.flatten(0, 1) for w in windows]  # per stage [R·W, D]
         ctx_rows = torch.where(rows >= 0, torch.arange(R * W, device=dev).view(R, W), -1)
         block_ids = torch.cat([step.pending_ids.unsqueeze(1),
                                step.pending_ids.new_full((R, k - 1), d.noise_token_id)], dim=1)  # [R, k]

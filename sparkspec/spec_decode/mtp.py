@@ -55,7 +55,7 @@ class MTPProposer(Proposer):
 
     def propose(self, step: StepRows, k: int) -> DraftBatch:
         R, W, dev = step.reqs.shape[0], self.window, step.pending_ids.device
-        ctx = self.gather_window(self.pools[0], step, W)  # [R, W, D] positions N-W .. N-1
+        ctx = self.gather_windows(step, W)[1][0]  # [R, W, D] positions N-W .. N-1
         buf = torch.cat([ctx, ctx.new_zeros(R, max(k - 1, 0), ctx.shape[2])], dim=1)  # + the chain's rows
         width = buf.shape[1]
         streams = self._streams[step.last_rows]  # [R, n·H] layer output at position N - 1

@@ -79,11 +79,12 @@ class Proposer(ABC):
     def propose(self, step: StepRows, k: int) -> DraftBatch:
         """k drafts after each pending token of `step.reqs`."""
 
-    def gather_window(self, pool: torch.Tensor, step: StepRows, window: int) -> torch.Tensor:
-        """The `window` context rows before each pending position -> [R, W, D] (zeros where position < 0)."""
+    def gather_windows(self, step: StepRows, window: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The `window` context rows before each pending position, from every pool -> (pool rows [R, W], -1 where
+        position < 0; per pool [R, W, D], zeros there). The rows are addressed once for all pools."""
         b = step.batch
         rows = window_rows(step.pending_pos, step.reqs, b.block_tables, b.block_size, window)  # [R, W]
-        return torch.where((rows >= 0).unsqueeze(-1), pool[rows.clamp(min=0)], 0)
+        return rows, [torch.where((rows >= 0).unsqueeze(-1), pool[rows.clamp(min=0)], 0) for pool in self.pools]
 
 
 class HostProposer(ABC):
