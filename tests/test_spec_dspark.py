@@ -210,3 +210,19 @@ def test_calibrated_confidence_uses_per_position_temperatures():
     for pos, t in [(0, 0.5), (1, 2.0), (2, 4.0), (5, 4.0)]:
         torch.testing.assert_close(cal.confidence(z, pos), torch.sigmoid(z / t))
         torch.testing.assert_close(raw.confidence(z, pos), torch.sigmoid(z))
+
+
+def test_survival_map_is_loaded_and_replaces_the_temperatures():
+    from sparkspec.models.dspark import survival_confidences
+
+    cfg, _, tensors = tiny_setup()
+    name = f"mtp.{cfg.num_dspark_layers - 1}.confidence_head"
+    table = torch.linspace(0, 1, 11).pow(2).expand(cfg.dspark_block_size, -1).contiguous()
+    cal = DSparkDraftModel.from_tensors(cfg, {**tensors, f"{name}.temperature": torch.full((3,), 2.0),
+                                              f"{name}.survival_map": table})
+    z = torch.randn(4, cfg.dspark_block_size)
+    torch.testing.assert_close(cal.block_confidences(z), survival_confidences(z, table))
+    survival = cal.block_confidences(z).cumprod(-1)
+    assert (survival[:, 1:] <= survival[:, :-1] + 1e-6).all()
+    with pytest.raises(ValueError, match="survival_map"):
+        DSparkDraftModel.from_tensors(cfg, {**tensors, f"{name}.survival_map": torch.ones(5)})

@@ -214,3 +214,41 @@ def test_resume_restores_parameters_optimizer_step_and_log(tmp_path):
         assert torch.equal(a, b)
     assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
     assert common.resume(tmp_path / "none", fresh, fresh_opt, common.RunLog()) == (0, 0.0)
+
+
+def test_survival_map_calibrates_correlated_blocks_at_every_position():
+    """Blocks that either lock onto the target (everything accepted) or drift (each draft a coin flip): the
+    acceptances are correlated, so per-position temperatures cannot calibrate the later positions; the survival
+    maps, fitted on one half, do on the other."""
+    from sparkspec.models.dspark import survival_confidences
+    from sparkspec.train.calibrate import ece_survival_map, fit_survival_map
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 16000, 5
+    locked = torch.rand(n, generator=g) < torch.sigmoid(torch.randn(n, generator=g) * 2)
+    z = torch.randn(n, k, generator=g) + 2.0 * locked.float().unsqueeze(1)  # the logits see the state, noisily
+    steps = torch.where(locked.unsqueeze(1), torch.ones(n, k), torch.bernoulli(torch.full((n, k), 0.5), generator=g))
+    y = steps.cumprod(1)
+    valid = torch.ones(n, k, dtype=torch.bool)
+    fit, test = slice(0, n // 2), slice(n // 2, n)
+    table = fit_survival_map(z[fit], y[fit], valid[fit])
+    after = ece_survival_map(z[test], y[test], valid[test], table)
+    sts = fit_sts(z[fit], y[fit], valid[fit])
+    sts_ece = [ece(prefix_survival(z[test], sts)[:, j], y[test][:, j]) for j in range(k)]
+    assert max(after) <= 0.03
+    assert max(after) < max(sts_ece)
+    conf = survival_confidences(z[test], table)
+    assert ((conf >= 0) & (conf <= 1)).all()
+
+
+def test_survival_map_confidences_multiply_into_the_mapped_survivals():
+    from sparkspec.models.dspark import block_feature, survival_confidences
+
+    z = torch.tensor([[1.5, -0.3, 0.8], [-2.0, 0.1, 3.0]])
+    # survival of position i: f^(i + 1), sampled at 201 knots (non-increasing in i)
+    grid = torch.linspace(0, 1, 201)
+    table = torch.stack([grid ** (i + 1) for i in range(3)])
+    f = block_feature(z).unsqueeze(-1)
+    conf = survival_confidences(z, table)
+    torch.testing.assert_close(conf.cumprod(-1), f ** torch.arange(1, 4), atol=2e-3, rtol=0)
+    torch.testing.assert_close(survival_confidences(z, torch.ones(3, 9)), torch.ones(2, 3))

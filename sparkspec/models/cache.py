@@ -92,3 +92,13 @@ class KVCache:
         per_seq = -(-max_len // block_size)
         cache = cls(model, num_seqs * per_seq, block_size)
         return cache, [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
+
+    @classmethod
+    def for_lengths(cls, model, lengths, block_size: int = 16) -> tuple[KVCache, list[list[int]]]:
+        """A cache with exactly the blocks that sequences of these lengths need, and their block tables."""
+        tables, n = [], 0
+        for length in lengths:
+            k = max(1, -(-int(length) // block_size))
+            tables.append(list(range(n, n + k)))
+            n += k
+        return cls(model, max(n, 1), block_size), tables

@@ -71,9 +71,40 @@ class ConfidenceHead(nn.Module):
     def __init__(self, width: int):
         super().__init__()
         self.proj = nn.Linear(width, 1, bias=False)  # [1, H + r]
-        # [k] per-position temperatures from `sparkspec train calibrate` (sequential temperature scaling),
-        # loaded when the checkpoint has `confidence_head.temperature`; None = uncalibrated (T = 1)
+        # [k] per-position temperatures (sequential temperature scaling), loaded when the checkpoint has
+        # `confidence_head.temperature`; None = uncalibrated (T = 1)
         self.temperature: torch.Tensor | None = None
+        # [k, K] per-position monotone maps of the raw prefix survival (`survival_confidences`), loaded from
+        # `confidence_head.survival_map`; when present they replace the temperatures
+        self.survival_map: torch.Tensor | None = None
+
+
+def block_feature(z: torch.Tensor) -> torch.Tensor:
+    """Raw confidence logits of a block [..., k] -> one calibration feature per block [...]: the geometric mean
+    of the raw confidences σ(z_i), in [0, 1]."""
+    return torch.nn.functional.logsigmoid(z.float()).mean(-1).exp()
+
+
+def survival_confidences(z: torch.Tensor, survival_map: torch.Tensor) -> torch.Tensor:
+    """Calibrated conditional confidences from raw logits z [..., k] through per-position maps [k', K].
+
+    Every position reads the same block feature f (`block_feature`: acceptances within a block are strongly
+    correlated, a block that locks onto the target accepts everything, so every draft's logit says something
+    about every position). Position i's map (its values at K evenly spaced f, linear in between; non-increasing
+    in i, as `sparkspec train calibrate` fits them) gives the survival a_i of the first i + 1 drafts; the
+    conditional confidences a_i / a_{i-1} multiply back into exactly those survivals in the engine."""
+    k, K = z.shape[-1], survival_map.shape[-1]
+    pos = torch.arange(k, device=z.device).clamp(max=survival_map.shape[0] - 1)
+    table = survival_map.float()[pos]  # [k, K]
+    x = (block_feature(z) * (K - 1)).unsqueeze(-1).expand(*z.shape)  # [..., k]
+    lo = x.floor().clamp(0, K - 2)
+    frac = x - lo
+    lo = lo.long()
+    cols = pos.expand_as(lo)
+    a = (table[cols, lo] * (1 - frac) + table[cols, lo + 1] * frac).clamp(0, 1)
+    a = torch.cummin(a, dim=-1).values
+    before = torch.cat([torch.ones_like(a[..., :1]), a[..., :-1]], dim=-1)
+    return torch.where(before > 0, a / before.clamp(min=1e-12), torch.zeros_like(a)).clamp(0, 1)
 
 
 class DSparkStage(Block):
@@ -165,8 +196,16 @@ class DSparkDraftModel(nn.Module):
         x = torch.cat([hidden.float(), e], dim=-1)
         return F.linear(x, self.last.confidence_head.proj.weight.float()).squeeze(-1)
 
+    def block_confidences(self, z: torch.Tensor) -> torch.Tensor:
+        """Raw confidence logits of whole blocks [..., k] -> calibrated conditional confidences [..., k]: the
+        survival maps when the checkpoint has them, else σ(z_i / T_i)."""
+        head = self.last.confidence_head
+        if head.survival_map is not None:
+            return survival_confidences(z, head.survival_map.to(z.device))
+        return torch.stack([self.confidence(z[..., i], i) for i in range(z.shape[-1])], dim=-1)
+
     def confidence(self, logits: torch.Tensor, position: int) -> torch.Tensor:
-        """Calibrated confidence of block position `position` (0-based): sigmoid(z / T_position)."""
+        """Confidence of block position `position` (0-based) scaled alone: sigmoid(z / T_position)."""
         t = self.last.confidence_head.temperature
         if t is not None:
             logits = logits / t[min(position, t.numel() - 1)].to(logits.device)
@@ -222,6 +261,12 @@ class DSparkDraftModel(nn.Module):
         temperature = tensors.get(f"mtp.{model.num_layers - 1}.confidence_head.temperature")
         if model.has_confidence and temperature is not None:
             model.last.confidence_head.temperature = temperature.float()
+        survival_map = tensors.get(f"mtp.{model.num_layers - 1}.confidence_head.survival_map")
+        if model.has_confidence and survival_map is not None:
+            if survival_map.dim() != 2 or survival_map.shape[1] < 2:
+                raise CheckpointError(f"mtp.{model.num_layers - 1}.confidence_head.survival_map: expected [k, K >= 2], "
+                                      f"got {tuple(survival_map.shape)}")
+            model.last.confidence_head.survival_map = survival_map.float()
         return model
 
     def keep_fp32(self) -> DSparkDraftModel:

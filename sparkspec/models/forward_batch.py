@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sparkspec.models.cache import KVCache, entries_per_block
@@ -160,11 +161,11 @@ def batch_from_flat(flat: torch.Tensor, parts: list[list[int]], cache: KVCache, 
 _STAGING: dict[torch.device, list[torch.Tensor]] = {}  # per device: two pinned host buffers, used in turn
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+def to_device(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
     """The one host->device copy of a step, asynchronous from a pinned buffer that is kept (allocating pinned
     memory costs milliseconds). Two buffers alternate: a step's copy is done by the time the step after the
     next packs (every step ends with its device->host copy)."""
-    flat = torch.tensor(values, dtype=torch.long)
+    flat = torch.as_tensor(values, dtype=torch.long)
     if device.type == "cpu":
         return flat
     ring = _STAGING.setdefault(device, [])
@@ -199,10 +200,31 @@ def build_batch(
     return batch
 
 
-def forward_sequences(model, input_ids: torch.Tensor, lengths: list[int], logits_rows: list[int] | None = None,
-                      **capture):
+def sequences_batch(cache: KVCache, input_ids: torch.Tensor | np.ndarray, tables: list[list[int]],
+                    lengths: list[int] | np.ndarray, logits_rows: list[int] | None, ratios: tuple[int, ...]
+                    ) -> ForwardBatch:
+    """`build_batch` for whole sequences from position 0, with numpy doing the per-token arithmetic (a training
+    step packs ~10^5 tokens: Python lists would cost more than the step's kernels) -> the same ForwardBatch."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    req = np.repeat(np.arange(len(lens)), lens)
+    pos = np.arange(cu[-1]) - cu[:-1][req]
+    width = max((len(t) for t in tables), default=0) or 1
+    table = np.full((len(tables), width), cache.scratch_block, dtype=np.int64)
+    for r, t in enumerate(tables):
+        table[r, : len(t)] = t
+    ratios = tuple(sorted(set(ratios)))
+    ids = input_ids.cpu().numpy() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids)
+    parts = [ids.astype(np.int64), pos, req, cu, lens, table.ravel(), np.asarray(logits_rows or [], dtype=np.int64),
+             *(np.flatnonzero((pos + 1) % r == 0) for r in ratios)]
+    flat = to_device(np.concatenate(parts), cache.device)
+    batch, _ = batch_from_flat(flat, parts, cache, logits_rows is not None, ratios, int(lens.max(initial=0)))
+    return batch
+
+
+def forward_sequences(model, input_ids: torch.Tensor | np.ndarray, lengths: list[int] | np.ndarray,
+                      logits_rows: list[int] | None = None, **capture):
     """Whole sequences packed back to back from position 0, through a fresh cache sized for them (training,
     tests, timing probes: callers without a block manager) -> ModelOutput."""
-    cache, tables = KVCache.for_sequences(model, len(lengths), max(lengths, default=1))
-    batch = build_batch(cache, input_ids, tables, [0] * len(lengths), lengths, logits_rows, model.compress_ratios)
-    return model(batch, **capture)
+    cache, tables = KVCache.for_lengths(model, lengths)
+    return model(sequences_batch(cache, input_ids, tables, lengths, logits_rows, model.compress_ratios), **capture)

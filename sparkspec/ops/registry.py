@@ -61,11 +61,14 @@ class OpTable:
 
     def __init__(self, use_native: bool = False):
         self.use_native = use_native
+        self.compiled: frozenset[str] = frozenset()
         self._impl: dict[tuple[str, str], Callable[..., Any]] = {}  # (op, device type) -> implementation
 
-    def set_native(self, use_native: bool) -> None:
-        """Force the PyTorch references everywhere (training needs autograd through every op)."""
+    def set_native(self, use_native: bool, compiled: tuple[str, ...] = ()) -> None:
+        """Force the PyTorch references everywhere (training needs autograd through every op); the references of
+        `compiled` run through torch.compile on accelerator tensors (CPU tensors keep the plain reference)."""
         self.use_native = use_native
+        self.compiled = frozenset(compiled)
         self._impl.clear()
 
     def resolve(self, name: str, device_type: str) -> Callable[..., Any]:
@@ -79,6 +82,8 @@ class OpTable:
             if backend != "native" and not self.use_native:
                 _load_kernels()
             fn = _NATIVE[name] if self.use_native else _ACCEL.get((backend, name), _NATIVE[name])
+            if fn is _NATIVE[name] and name in self.compiled and device_type != "cpu":
+                fn = compiled_native(name)
             self._impl[(name, device_type)] = fn
         return fn
 
@@ -110,6 +115,34 @@ class OpTable:
         if fn is _NATIVE[name]:
             return "native"
         return f"{op_backend(device_type)}:{fn.__module__}.{fn.__name__}"
+
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def compiled_native(name: str, backend: str = "inductor") -> Callable[..., Any]:
+    """The reference of op `name` through torch.compile (dynamic shapes: a training step's token count varies),
+    made once per op. If compiling fails, the reason is logged once and the plain reference runs from then on."""
+    if name in _COMPILED:
+        return _COMPILED[name]
+    ref = _NATIVE[name]
+    fast = torch.compile(ref, dynamic=True, backend=backend)
+    state = {"ok": True}
+
+    def call(*args, **kwargs):
+        if state["ok"]:
+            try:
+                return fast(*args, **kwargs)
+            except Exception as e:  # a compiler that cannot build here: correct, slower
+                state["ok"] = False
+                log.warning("torch.compile of op %s failed, running its reference: %s: %s", name,
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return ref(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"compiled_{name}"
+    call.__wrapped__ = ref
+    _COMPILED[name] = call
+    return call
 
 
 def op_names() -> list[str]:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
-from sparkspec.models.dspark import DSparkDraftModel
+from sparkspec.models.dspark import DSparkDraftModel, survival_confidences
 from sparkspec.ops.sampling import STREAM_DRAFT, probs_for, sample
 from sparkspec.spec_decode.proposer import DraftBatch, Proposer, StepRows
 
@@ -41,14 +41,15 @@ class DSparkProposer(Proposer):
                       for _ in range(self.drafter.num_layers)]
         self.heads = self.markov_confidence_weights(device)
 
-    def markov_confidence_weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def markov_confidence_weights(self, device: torch.device
+                                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """The two heads as the left-to-right loop uses them, fp32 on the device: (markov_w2 with the confidence
         weights of the predecessor embedding as one more row [V (+1), r], the confidence weights of h [1, H] or
-        None, per-position calibration temperatures [k]). One GEMV per position then gives both the Markov bias
+        None, per-position calibration temperatures [k], the survival maps [k, K] or None). One GEMV per position then gives both the Markov bias
         and the predecessor's share of the confidence logit."""
         last, k = self.drafter.last, self.num_spec_tokens
         w = last.markov_head.markov_w2.weight.float()  # [V, r]
-        head, w_h = last.confidence_head, None
+        head, w_h, survival_map = last.confidence_head, None, None
         temperature = torch.ones(k, device=device)
         if head is not None:
             proj = head.proj.weight.float()  # [1, H + r]: [h ; markov_w1[prev]]
@@ -57,7 +58,9 @@ class DSparkProposer(Proposer):
             if head.temperature is not None:
                 t = head.temperature.float().to(device)
                 temperature = t[torch.arange(k, device=device).clamp(max=t.numel() - 1)]
-        return w.to(device), None if w_h is None else w_h.to(device), temperature
+            if head.survival_map is not None:
+                survival_map = head.survival_map.float().to(device)
+        return w.to(device), None if w_h is None else w_h.to(device), temperature, survival_map
 
     def observe(self, step: StepRows) -> None:
         b = step.batch
@@ -75,7 +78,7 @@ class DSparkProposer(Proposer):
         block_ids = torch.cat([step.pending_ids.unsqueeze(1),
                                step.pending_ids.new_full((R, k - 1), d.noise_token_id)], dim=1)  # [R, k]
         out = d.forward_block(self.target.embed, self.target.head, block_ids, step.pending_pos, ctx_kv, ctx_rows)
-        w_prev, w_h, temperature = self.heads
+        w_prev, w_h, temperature, survival_map = self.heads
         V = out.base_logits.shape[-1]
         w1 = d.last.markov_head.markov_w1
         prev, tokens, probs, conf_z = step.pending_ids, [], [], []
@@ -93,7 +96,8 @@ class DSparkProposer(Proposer):
                 probs.append(q)
             tokens.append(prev)
         confidences = None
-        if w_h is not None:  # sigmoid((proj_h · h_i + proj_e · markov_w1[prev_i]) / T_i)
+        if w_h is not None:  # z_i = proj_h · h_i + proj_e · markov_w1[prev_i], then the calibration
             z = F.linear(out.hidden.float(), w_h).squeeze(-1) + torch.stack(conf_z, 1)  # [R, k]
-            confidences = torch.sigmoid(z / temperature[:k])
+            confidences = (torch.sigmoid(z / temperature[:k]) if survival_map is None
+                           else survival_confidences(z, survival_map))
         return DraftBatch(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), confidences)

@@ -1,10 +1,15 @@
-"""`sparkspec train calibrate`: Sequential Temperature Scaling (STS) of the DSpark confidence head (DSpark
-paper §3.2.1).
+"""`sparkspec train calibrate`: calibration of the DSpark confidence head: per-position isotonic maps of the
+prefix survival (shipped), with Sequential Temperature Scaling (STS, DSpark paper §3.2.1) and its Platt variant
+measured beside them.
 
 Terms: for a drafted block, z_k is the confidence logit of position k (1-based) and the prefix label
 y_k = 1[drafts 1..k all accepted]. The deployed prefix-survival estimate is a_k = Π_{i≤k} σ(z_i / T_i).
 STS fits T_1..T_k left to right: T_k = argmin over a log grid of ECE(Π_{i<k} σ(z_i/T_i) · σ(z_k/τ), y_k),
-earlier temperatures frozen. Temperature scaling keeps the ranking; it only fixes the absolute level.
+earlier temperatures frozen. Temperature scaling keeps the ranking; it only fixes the absolute level. Acceptances
+within a block are strongly correlated (a block that locks onto the target accepts everything), which a product
+of per-position scalings cannot express: the shipped survival maps instead send one feature of the whole block (the
+geometric mean of its raw confidences) through a monotone (isotonic) map per position k fitted to y_k, so every
+position's survival is calibrated directly (`models.dspark.survival_confidences`).
 
 Rollouts: held-out sequences the target regenerated GREEDILY. At temperature 0 the target accepts draft x_k
 iff it equals the target's own greedy token, which is the sequence's next token while every earlier draft
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sparkspec.models.dspark import context_rows
@@ -73,6 +79,58 @@ def fit_sts(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, grid: torch.T
     return temps.float() if bias_grid is None else (temps.float(), biases.float())
 
 
+MAP_KNOTS = 41  # values of each position's survival map, at block features 0, 1/40, ..., 1
+
+
+def isotonic(x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted least-squares non-decreasing fit of y on x (pool adjacent violators) -> (block mean x, block
+    value), both non-decreasing: the fitted step function, for `np.interp`. A block's value is Σ w·y / Σ w."""
+    order = np.argsort(x, kind="stable")
+    w = np.ones_like(y) if w is None else w
+    vals: list[float] = []
+    weights: list[float] = []
+    xsum: list[float] = []
+    count: list[int] = []
+    for xi, yi, wi in zip(x[order].tolist(), y[order].tolist(), w[order].tolist()):
+        vals.append(yi)
+        weights.append(wi)
+        xsum.append(xi)
+        count.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            wsum = weights[-2] + weights[-1]
+            v = (vals[-2] * weights[-2] + vals[-1] * weights[-1]) / wsum if wsum > 0 else max(vals[-2:])
+            vals[-2:], weights[-2:] = [v], [wsum]
+            xsum[-2:], count[-2:] = [xsum[-2] + xsum[-1]], [count[-2] + count[-1]]
+    return np.asarray(xsum) / np.asarray(count), np.asarray(vals)
+
+
+def fit_survival_map(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, knots: int = MAP_KNOTS) -> torch.Tensor:
+    """Per position k, the isotonic map from the block feature f (`models.dspark.block_feature`) to the prefix
+    label y_k, sampled at `knots` evenly spaced f and made non-increasing in k -> [k, knots]
+    (`models.dspark.survival_confidences` applies it)."""
+    from sparkspec.models.dspark import block_feature
+
+    f = block_feature(z).double().numpy()
+    grid = np.linspace(0.0, 1.0, knots)
+    table = np.ones((z.shape[1], knots))
+    for j in range(z.shape[1]):
+        rows = valid[:, j].numpy()
+        if rows.any():
+            xs, ys = isotonic(f[rows], y[rows, j].double().numpy())
+            table[j] = np.interp(grid, xs, ys)
+        elif j:
+            table[j] = table[j - 1]
+    return torch.from_numpy(np.minimum.accumulate(table, axis=0)).float()
+
+
+def ece_survival_map(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, table: torch.Tensor) -> list[float]:
+    """ECE per position of the prefix survival the engine computes from the mapped conditional confidences."""
+    from sparkspec.models.dspark import survival_confidences
+
+    a = survival_confidences(z, table).double().cumprod(dim=1)  # what the engine's budget multiplies
+    return [round(ece(a[valid[:, j], j], y[valid[:, j], j]), 5) for j in range(z.shape[1])]
+
+
 def ece_per_position(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, temps: torch.Tensor,
                      biases: torch.Tensor | None = None) -> list[float]:
     a = prefix_survival(z.double() + (0 if biases is None else biases.double() * temps.double()), temps.double())
@@ -110,9 +168,11 @@ def greedy_rollouts(drafter, target, feats, seqs, seq_ids: list[int], anchors: i
 
 def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seqs: int = 256, max_len: int = 640,
                          temperature: float = 0.0, seed: int = 0, device: str | None = None) -> dict:
-    """Fit STS temperatures on half of the held-out greedy sequences, report ECE on the other half, and store
-    `mtp.{last}.confidence_head.temperature` [k] (STS: c_k = σ(z_k / T_k)) and `.platt_temperature` /
-    `.platt_bias` [k] (c_k = σ(z_k / T_k + b_k)) in the checkpoint plus `calibration.json`."""
+    """Fit the calibrations on half of the held-out greedy sequences, report ECE per position on the other half,
+    and store them in the checkpoint plus `calibration.json`: `mtp.{last}.confidence_head.survival_map` [k, K]
+    (isotonic maps of the raw prefix survival: what inference applies), and, for comparison,
+    `.temperature` [k] (STS: c_k = σ(z_k / T_k)) and `.platt_temperature` / `.platt_bias` [k]
+    (c_k = σ(z_k / T_k + b_k))."""
     from sparkspec.models.dspark import DSparkDraftModel
     from sparkspec.train.features import compute_features, load_frozen_target, load_sequences, save_drafter
 
@@ -136,6 +196,7 @@ def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seq
     z_test, y_test, v_test = greedy_rollouts(drafter, target, feats, seqs, test_ids, anchors, gen, dev)
     temps = fit_sts(z_fit, y_fit, v_fit)
     platt_t, platt_b = fit_sts(z_fit, y_fit, v_fit, temperature_grid(0.1, 10.0, 60), torch.linspace(-3, 3, 61))
+    survival_map = fit_survival_map(z_fit, y_fit, v_fit)
     ones = torch.ones_like(temps)
     k = cfg.dspark_block_size
     report = {
@@ -147,6 +208,8 @@ def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seq
         "platt_temperatures": [round(float(t), 4) for t in platt_t],
         "platt_biases": [round(float(b), 4) for b in platt_b],
         "ece_after_platt": ece_per_position(z_test, y_test, v_test, platt_t, platt_b),
+        "ece_after_survival_map": ece_survival_map(z_test, y_test, v_test, survival_map),
+        "shipped": "survival_map",
         "mean_pred_before": [round(float(x), 4) for x in
                              (prefix_survival(z_test.double(), ones.double()) * v_test).sum(0) / v_test.sum(0)],
         "mean_label": [round(float(x), 4) for x in (y_test * v_test).sum(0) / v_test.sum(0)],
@@ -154,7 +217,8 @@ def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seq
     }
     name = f"mtp.{drafter.num_layers - 1}.confidence_head"
     tensors = {**{k_: v for k_, v in ck.drafter_tensors.items()}, f"{name}.temperature": temps.float(),
-               f"{name}.platt_temperature": platt_t.float(), f"{name}.platt_bias": platt_b.float()}
+               f"{name}.platt_temperature": platt_t.float(), f"{name}.platt_bias": platt_b.float(),
+               f"{name}.survival_map": survival_map}
     ck.drafter_tensors = {}
     save_drafter(model_dir, model_dir, ck, tensors, ())
     (model_dir / "calibration.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -44,6 +44,12 @@ def add_train_parser(subparsers) -> None:
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--batch-size", type=int, default=16)
     s.add_argument("--seq-len", type=int, default=1024)
+    s.add_argument("--heldout", type=Path, default=None,
+                   help="held-out token stream (default: heldout.npy beside --data, else its last 1%%)")
+    s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="fuse the elementwise-heavy ops with torch.compile (default: on accelerators)")
+    s.add_argument("--no-write", dest="write", action="store_false",
+                   help="report the held-out loss only, write no checkpoint (scaling runs)")
     _budget_args(s, 3000, 2e-3)
     s.set_defaults(func=cmd_target)
 
@@ -67,6 +73,8 @@ def add_train_parser(subparsers) -> None:
         s.add_argument("--out", type=Path, default=None, help="checkpoint dir to write (default: --model)")
         s.add_argument("--batch-size", type=int, default=16, help="sequences per step")
         s.add_argument("--max-len", type=int, default=640, help="truncate prompt+answer to this many tokens")
+        s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="fuse the elementwise-heavy ops with torch.compile (default: on accelerators)")
         if kind == "dspark":
             s.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
         _budget_args(s, 2000, 6e-4 if kind == "dspark" else 1e-3)
@@ -117,7 +125,8 @@ def cmd_target(args) -> int:
 
     t0 = time.perf_counter()
     res = train_target(_config(args.preset), args.data, args.out, args.tokenizer, args.steps, args.minutes,
-                       args.batch_size, args.seq_len, args.lr, args.seed, args.device, args.save_every)
+                       args.batch_size, args.seq_len, args.lr, args.seed, args.device, args.save_every,
+                       heldout=args.heldout, compile=args.compile, write=args.write)
     return _report("target", res, t0)
 
 
@@ -138,7 +147,7 @@ def cmd_dspark(args) -> int:
     t0 = time.perf_counter()
     res = train_dspark(args.model, args.data, args.out or args.model, steps=args.steps, minutes=args.minutes,
                        batch_size=args.batch_size, max_len=args.max_len, anchors=args.anchors, lr=args.lr,
-                       seed=args.seed, device=args.device, save_every=args.save_every)
+                       seed=args.seed, device=args.device, save_every=args.save_every, compile=args.compile)
     return _report("dspark", res, t0)
 
 
@@ -148,7 +157,7 @@ def cmd_mtp(args) -> int:
     t0 = time.perf_counter()
     res = train_mtp(args.model, args.data, args.out or args.model, steps=args.steps, minutes=args.minutes,
                     batch_size=args.batch_size, max_len=args.max_len, lr=args.lr, seed=args.seed,
-                    device=args.device, save_every=args.save_every)
+                    device=args.device, save_every=args.save_every, compile=args.compile)
     return _report("mtp", res, t0)
 
 

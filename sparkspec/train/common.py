@@ -19,11 +19,17 @@ from pathlib import Path
 import torch
 
 
-def use_native_ops() -> None:
-    """Training needs autograd through every op: use the PyTorch references, not inference kernels."""
+# the ops a training step spends its launches on (elementwise chains: mHC's Sinkhorn, norms, rotations, attention's
+# softmax): fused by torch.compile on accelerators. Not the cache writes (in place) nor the MoE (grouped GEMMs).
+COMPILED_OPS = ("mhc_pre", "mhc_post", "hc_head", "rms_norm", "rope", "sparse_attention", "moe_route")
+
+
+def use_native_ops(compile: bool = False) -> None:
+    """Training needs autograd through every op: use the PyTorch references, not inference kernels; `compile`:
+    the references of COMPILED_OPS through torch.compile on accelerator tensors."""
     from sparkspec.ops.registry import ops
 
-    ops.set_native(True)
+    ops.set_native(True, compiled=COMPILED_OPS if compile else ())
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -143,6 +149,23 @@ def optimizer_step(opt: torch.optim.Optimizer, model: torch.nn.Module, loss: tor
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     return gnorm
+
+
+class Throughput:
+    """Tokens per second over the steps after the first few (compilation and warm-up excluded)."""
+
+    def __init__(self, tokens_per_step: int, skip: int = 3):
+        self.tokens_per_step, self.skip = tokens_per_step, skip
+        self.t0: float | None = None
+        self.first = 0
+        self.rate = 0.0
+
+    def step(self, step: int) -> None:
+        now = time.perf_counter()
+        if self.t0 is None or step <= self.skip:
+            self.t0, self.first = now, step
+        elif step > self.first:
+            self.rate = self.tokens_per_step * (step - self.first) / (now - self.t0)
 
 
 @dataclass

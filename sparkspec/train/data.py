@@ -82,7 +82,7 @@ def iter_sharegpt_records(raw: str) -> Iterator[dict]:
         yield obj
 
 
-def load_sharegpt(path: str | Path | None = None, ascii_only: float = 0.98, max_chars: int = 12000) -> list[dict]:
+def load_sharegpt(path: str | Path | None = None, ascii_only: float = 0.98, max_chars: int = 48000) -> list[dict]:
     """-> [{"id", "messages": [{"role", "content"}, ...]}] starting with a user turn, eval-overlap removed.
 
     `ascii_only`: keep conversations whose text is at least this fraction ASCII (a small BPE vocabulary is
@@ -168,25 +168,32 @@ def prepare_data(tokenizer, out_dir: Path, max_pretrain_tokens: int = 12_000_000
     """Tokenise ShareGPT once, so the GPU machine needs neither the package nor the tokenizer trainer.
 
     Writes `pretrain.npy` (uint16 stream of whole chat-templated conversations from the pretrain + distill
-    splits), `distill.jsonl` and `heldout.jsonl` ({"id", "prompt_token_ids"}: the first user turn with the
-    generation prompt, <= max_prompt_tokens) and returns counts."""
+    splits, each opening with BOS: the trainer finds document boundaries there), `heldout.npy` (the held-out
+    conversations, the same way: held-out loss), `distill.jsonl` (drafter prompts, from the conversations the
+    target trains on) and `heldout.jsonl` ({"id", "prompt_token_ids"}: the first user turn with the generation
+    prompt, <= max_prompt_tokens) and returns counts, with the UTF-8
+    bytes of the held-out text (`heldout_bytes`: loss in bits per byte compares across tokenizers)."""
     import random
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     convs = load_sharegpt()
     random.Random(seed).shuffle(convs)
-    train = [c for c in convs if split_of(c["id"]) != "heldout"]
-    texts = [tokenizer.apply_chat_template(c["messages"], add_generation_prompt=False) for c in train]
-    docs = (enc.ids for enc in tokenizer.tok.encode_batch(texts, add_special_tokens=False))
-    stream = pack_tokens(docs, max_pretrain_tokens)
-    np.save(out_dir / "pretrain.npy", stream)
-    counts = {"conversations": len(convs), "dropped_eval_overlap": getattr(load_sharegpt, "dropped_eval", 0),
-              "pretrain_tokens": int(stream.size)}
-    for split in ("distill", "heldout"):
+    counts = {"conversations": len(convs), "dropped_eval_overlap": getattr(load_sharegpt, "dropped_eval", 0)}
+    for name, keep, limit in (("pretrain", lambda s: s != "heldout", max_pretrain_tokens),
+                              ("heldout", lambda s: s == "heldout", None)):
+        texts = [tokenizer.apply_chat_template(c["messages"], add_generation_prompt=False)
+                 for c in convs if keep(split_of(c["id"]))]
+        docs = [enc.ids for enc in tokenizer.tok.encode_batch(texts, add_special_tokens=False)]
+        stream = pack_tokens(docs, limit or sum(map(len, docs)))
+        np.save(out_dir / f"{name}.npy", stream)
+        counts[f"{name}_tokens"] = int(stream.size)
+        if name == "heldout":
+            counts["heldout_bytes"] = sum(len(t.encode("utf-8")) for t in texts)  # the templated text
+    for split in ("distill", "heldout"):  # drafter prompts: every conversation the target trained on
         rows = []
         for c in convs:
-            if split_of(c["id"]) != split:
+            if (split_of(c["id"]) == "heldout") != (split == "heldout"):
                 continue
             text = tokenizer.apply_chat_template(c["messages"][:1], add_generation_prompt=True)
             ids = tokenizer.encode(text)

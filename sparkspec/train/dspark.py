@@ -139,11 +139,11 @@ def init_drafter(cfg: ModelConfig, seed: int) -> DSparkDraftModel:
 
 def train_dspark(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes: float | None = None,
                  batch_size: int = 16, max_len: int = 640, anchors: int = 64, lr: float = 6e-4, seed: int = 0,
-                 device: str | None = None, save_every: int = 500) -> dict:
+                 device: str | None = None, save_every: int = 500, compile: bool | None = None) -> dict:
     from sparkspec.train.features import compute_features, load_frozen_target, load_sequences, save_drafter
 
-    common.use_native_ops()
     dev = common.pick_device(device)
+    common.use_native_ops(compile=dev.type != "cpu" if compile is None else compile)
     gen = common.seed_everything(seed)
     ck = load_frozen_target(Path(model_dir), dev)
     cfg, target = ck.config, ck.model

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,33 +48,72 @@ def forward_lm(model: DeepseekV4Model, ids: torch.Tensor, **kw):
 
 
 def lm_loss(model: DeepseekV4Model, windows: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy over windows [B, L+1]."""
+    """Next-token cross-entropy over windows [B, L+1], each one sequence."""
     inputs, labels = windows[:, :-1], windows[:, 1:]
     out = forward_lm(model, inputs)
-    return F.cross_entropy(out.logits.float(), labels.reshape(-1))
+    return F.cross_entropy(out.logits.float(), labels.reshape(-1).to(out.logits.device))
 
 
-def sample_windows(stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator) -> torch.Tensor:
-    starts = rng.integers(0, len(stream) - seq_len - 1, size=batch_size)
-    return torch.from_numpy(np.stack([stream[s : s + seq_len + 1] for s in starts]).astype(np.int64))
+IGNORE = -100  # label of a sequence's last row: its next token opens another document
+
+
+@dataclass
+class Packed:
+    """A training batch: windows cut before every document start into sequences of their own (document
+    masking: no token attends across a conversation boundary, and every conversation starts at position 0)."""
+
+    ids: np.ndarray  # [T] int64, the sequences back to back
+    labels: np.ndarray  # [T] int64 the next token of the same sequence, IGNORE where there is none
+    lengths: np.ndarray  # [S] rows of each sequence
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+    def loss(self, model: DeepseekV4Model, reduction: str = "mean") -> torch.Tensor:
+        out = forward_sequences(model, self.ids, self.lengths)
+        labels = torch.from_numpy(self.labels).to(out.logits.device, non_blocking=True)
+        return F.cross_entropy(out.logits.float(), labels, ignore_index=IGNORE, reduction=reduction)
+
+
+def pack_windows(stream: np.ndarray, starts: np.ndarray, seq_len: int, bos_id: int | None) -> Packed:
+    """Windows stream[s : s + seq_len + 1] for s in `starts`, split before every BOS (a document's first token)."""
+    w = np.stack([np.asarray(stream[s : s + seq_len + 1], dtype=np.int64) for s in starts])
+    inputs, labels = w[:, :-1], w[:, 1:].copy()
+    cut = np.zeros(inputs.shape, dtype=bool)
+    cut[:, 0] = True
+    if bos_id is not None:
+        cut |= inputs == bos_id
+        labels[labels == bos_id] = IGNORE
+    first = np.flatnonzero(cut.ravel())
+    return Packed(inputs.ravel(), labels.ravel(), np.diff(np.append(first, inputs.size)))
 
 
 def train_target(cfg: ModelConfig, data: Path, out_dir: Path, tokenizer_dir: Path | None, steps: int,
                  minutes: float | None, batch_size: int, seq_len: int, lr: float, seed: int = 0,
                  device: str | None = None, save_every: int = 500, shard_mb: int = 14,
-                 heldout_frac: float = 0.01) -> dict:
+                 heldout: Path | None = None, compile: bool | None = None, write: bool = True) -> dict:
     """Train, checkpoint every `save_every` steps (resumable from `out_dir/train_state.pt`), write the final
-    checkpoint (bf16, official layout, shards <= shard_mb) and `train_log.json`. Returns the log summary."""
+    checkpoint (bf16, official layout, shards <= shard_mb) and `train_log_target.json` (`write=False`: neither,
+    a scaling run). Returns the log summary.
+
+    Held-out loss: on `heldout` (default: `heldout.npy` beside `data`, written by `train data`; else the last
+    1 % of `data`), in nats per token and, with `counts.json` beside it, in bits per byte. `compile`: run the
+    elementwise-heavy ops through torch.compile (default: on accelerators)."""
     from sparkspec.checkpoint import write_checkpoint
 
-    common.use_native_ops()
     dev = common.pick_device(device)
+    common.use_native_ops(compile=dev.type != "cpu" if compile is None else compile)
     common.seed_everything(seed)
     stream = np.load(data, mmap_mode="r")
     if stream.max(initial=0) >= cfg.vocab_size:
         raise ValueError(f"{data}: token id {int(stream.max())} >= vocab_size={cfg.vocab_size}")
-    split = int(len(stream) * (1 - heldout_frac))
-    train_stream, val_stream = np.asarray(stream[:split]), np.asarray(stream[split:])
+    heldout = heldout or (data.parent / "heldout.npy")
+    if heldout.is_file():
+        train_stream, val_stream = np.asarray(stream), np.asarray(np.load(heldout, mmap_mode="r"))
+    else:
+        split = int(len(stream) * 0.99)
+        train_stream, val_stream = np.asarray(stream[:split]), np.asarray(stream[split:])
     cfg.torch_dtype = "float32"
     model = init_target(cfg, seed).to(dev)
     model.train()
@@ -85,46 +125,66 @@ def train_target(cfg: ModelConfig, data: Path, out_dir: Path, tokenizer_dir: Pat
     bar = common.progress_bar(steps, "target")
     bar.update(step)
     tokens_per_step = batch_size * seq_len
+    timer = common.Throughput(tokens_per_step)
     while not budget.done(step):
         common.set_lr(opt, lr * budget.lr_scale(step))
-        windows = sample_windows(train_stream, batch_size, seq_len, rng).to(dev)
+        batch = pack_windows(train_stream, rng.integers(0, len(train_stream) - seq_len - 1, size=batch_size),
+                             seq_len, cfg.bos_token_id)
         with common.autocast(dev):
-            loss = lm_loss(model, windows)
+            loss = batch.loss(model)
         gnorm = common.optimizer_step(opt, model, loss)
         step += 1
+        timer.step(step)
         if step % 10 == 0 or step == 1:
-            log.add(step, budget.elapsed, loss=loss.item(), grad_norm=gnorm.item(), lr=opt.param_groups[0]["lr"])
-            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step * step / budget.elapsed:.0f}")
+            log.add(step, budget.elapsed, loss=loss.item(), grad_norm=gnorm.item(), lr=opt.param_groups[0]["lr"],
+                    tokens_per_s=timer.rate)
+            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{timer.rate:.0f}")
             if bar.disable and step % 100 == 0:
                 print(f"step {step} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                      f"{budget.elapsed:.0f}s", flush=True)
+                      f"{timer.rate:.0f} tok/s {budget.elapsed:.0f}s", flush=True)
         bar.update(1)
         if save_every and step % save_every == 0:
             common.save_state(out_dir, step, model.state_dict(), opt, budget.elapsed, log.entries)
     bar.close()
+    train_time = budget.elapsed
     model.eval()
-    val = evaluate_lm(model, val_stream, batch_size, seq_len, dev)
-    write_checkpoint(model, cfg, out_dir, tokenizer_dir=tokenizer_dir, shard_size_bytes=shard_mb << 20,
-                     dtype="bfloat16")
-    (out_dir / common.STATE_FILE).unlink(missing_ok=True)
-    meta = {"steps": step, "time_s": round(budget.elapsed, 1), "batch_size": batch_size, "seq_len": seq_len,
-            "tokens_seen": step * tokens_per_step, "lr": lr, "val_loss": val, "data": str(data),
+    val = evaluate_lm(model, val_stream, batch_size, seq_len, dev, cfg.bos_token_id)
+    meta = {"steps": step, "time_s": round(train_time, 1), "batch_size": batch_size, "seq_len": seq_len,
+            "tokens_seen": step * tokens_per_step, "tokens_per_s": round(timer.rate), "lr": lr, "val_loss": val,
+            "val_bits_per_byte": bits_per_byte(val, heldout), "data": str(data),
             "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 3)}
-    log.write(out_dir / "train_log_target.json", **meta)
+    if write:
+        write_checkpoint(model, cfg, out_dir, tokenizer_dir=tokenizer_dir, shard_size_bytes=shard_mb << 20,
+                         dtype="bfloat16")
+        (out_dir / common.STATE_FILE).unlink(missing_ok=True)
+        log.write(out_dir / "train_log_target.json", **meta)
     return {**log.summary(), **meta}
 
 
 @torch.no_grad()
-def evaluate_lm(model: DeepseekV4Model, stream: np.ndarray, batch_size: int, seq_len: int,
-                dev: torch.device, max_batches: int = 4) -> float:
-    rng = np.random.default_rng(1234)
-    losses = []
-    for _ in range(max_batches):
-        if len(stream) <= seq_len + 1:
-            break
+def evaluate_lm(model: DeepseekV4Model, stream: np.ndarray, batch_size: int, seq_len: int, dev: torch.device,
+                bos_id: int | None = None, max_tokens: int = 1 << 21) -> float:
+    """Mean next-token loss (nats) over consecutive windows of `stream` (up to `max_tokens`), packed as in
+    training."""
+    starts = np.arange(0, max(len(stream) - seq_len - 1, 0), seq_len)[: max(1, max_tokens // seq_len)]
+    total, count = 0.0, 0
+    for b in range(0, len(starts), batch_size):
+        batch = pack_windows(stream, starts[b : b + batch_size], seq_len, bos_id)
         with common.autocast(dev):
-            losses.append(lm_loss(model, sample_windows(stream, batch_size, seq_len, rng).to(dev)).item())
-    return round(sum(losses) / max(len(losses), 1), 4)
+            total += batch.loss(model, reduction="sum").item()
+        count += batch.num_targets
+    return round(total / max(count, 1), 4)
+
+
+def bits_per_byte(loss: float, heldout: Path) -> float | None:
+    """Nats per token -> bits per byte of the held-out text (`counts.json` beside it: its tokens and bytes)."""
+    counts = heldout.parent / "counts.json"
+    if heldout.name != "heldout.npy" or not counts.is_file():
+        return None
+    c = json.loads(counts.read_text())
+    if not c.get("heldout_bytes"):
+        return None
+    return round(loss / math.log(2) * c["heldout_tokens"] / c["heldout_bytes"], 4)
 
 
 # ---------------------------------------------------------------- answer regeneration
