@@ -126,3 +126,30 @@ def test_native_table_compiles_only_accelerator_tensors():
     assert table.resolve("mhc_post", "cuda").__name__ == "compiled_mhc_post"
     assert table.resolve("mhc_pre", "cuda") is registry._NATIVE["mhc_pre"]
     registry._COMPILED.pop("mhc_post", None)
+
+
+def test_train_target_end_to_end_reports_heldout_bits_per_byte(tmp_path):
+    """`sparkspec train target` on a tiny stream: a loadable checkpoint, a log with tokens/s and held-out bits per
+    byte; `write=False` (scaling runs) writes nothing."""
+    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.train.target import train_target
+
+    g = np.random.default_rng(0)
+    docs = [list(g.integers(4, 60, size=int(n))) for n in g.integers(20, 90, size=40)]
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "pretrain.npy", stream_of(docs[:34]))
+    np.save(data / "heldout.npy", stream_of(docs[34:]))
+    held = stream_of(docs[34:]).size
+    (data / "counts.json").write_text(json.dumps({"heldout_tokens": held, "heldout_bytes": 3 * held}))
+    cfg = ModelConfig.preset("tiny")
+    res = train_target(cfg, data / "pretrain.npy", tmp_path / "out", None, steps=6, minutes=None, batch_size=2,
+                       seq_len=32, lr=3e-3, device="cpu", save_every=0)
+    assert res["steps"] == 6 and res["tokens_seen"] == 6 * 64 and res["tokens_per_s"] > 0
+    assert res["val_bits_per_byte"] == pytest.approx(res["val_loss"] / np.log(2) / 3, abs=1e-3)
+    log = json.loads((tmp_path / "out" / "train_log_target.json").read_text())
+    assert log["val_loss"] == res["val_loss"] and "tokens_per_s" in log["log"][-1]
+    assert load_checkpoint(tmp_path / "out", device="cpu").config.num_hidden_layers == cfg.num_hidden_layers
+    dry = train_target(ModelConfig.preset("tiny"), data / "pretrain.npy", tmp_path / "dry", None, steps=2,
+                       minutes=None, batch_size=2, seq_len=32, lr=3e-3, device="cpu", save_every=0, write=False)
+    assert dry["val_loss"] > 0 and not (tmp_path / "dry").exists()

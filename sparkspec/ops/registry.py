@@ -125,6 +125,11 @@ def compiled_native(name: str, backend: str = "inductor") -> Callable[..., Any]:
     made once per op. If compiling fails, the reason is logged once and the plain reference runs from then on."""
     if name in _COMPILED:
         return _COMPILED[name]
+    import torch._dynamo
+
+    # one op is called with several ranks / optional arguments (rope: q, kv, inverse, with or without a norm); past
+    # dynamo's default of 8 variants per function the rest would silently run uncompiled
+    torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 32)
     ref = _NATIVE[name]
     fast = torch.compile(ref, dynamic=True, backend=backend)
     state = {"ok": True}
