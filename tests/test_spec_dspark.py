@@ -213,7 +213,7 @@ def test_calibrated_confidence_uses_per_position_temperatures():
 
 
 def test_survival_map_is_loaded_and_replaces_the_temperatures():
-    from sparkspec.models.dspark import survival_confidences
+    from sparkspec.models.dspark import calibrated_confidences, survival_confidences
 
     cfg, _, tensors = tiny_setup()
     name = f"mtp.{cfg.num_dspark_layers - 1}.confidence_head"
@@ -221,8 +221,10 @@ def test_survival_map_is_loaded_and_replaces_the_temperatures():
     cal = DSparkDraftModel.from_tensors(cfg, {**tensors, f"{name}.temperature": torch.full((3,), 2.0),
                                               f"{name}.survival_map": table})
     z = torch.randn(4, cfg.dspark_block_size)
-    torch.testing.assert_close(cal.block_confidences(z), survival_confidences(z, table))
-    survival = cal.block_confidences(z).cumprod(-1)
+    head = cal.last.confidence_head  # what the proposer reads (`DSparkProposer.markov_confidence_weights`)
+    got = calibrated_confidences(z, head.temperature, head.survival_map)
+    torch.testing.assert_close(got, survival_confidences(z, table))
+    survival = got.cumprod(-1)
     assert (survival[:, 1:] <= survival[:, :-1] + 1e-6).all()
     with pytest.raises(ValueError, match="survival_map"):
         DSparkDraftModel.from_tensors(cfg, {**tensors, f"{name}.survival_map": torch.ones(5)})

@@ -107,6 +107,16 @@ def survival_confidences(z: torch.Tensor, survival_map: torch.Tensor) -> torch.T
     return torch.where(before > 0, a / before.clamp(min=1e-12), torch.zeros_like(a)).clamp(0, 1)
 
 
+def calibrated_confidences(z: torch.Tensor, temperature: torch.Tensor | None,
+                           survival_map: torch.Tensor | None) -> torch.Tensor:
+    """Raw confidence logits of whole blocks [..., k] -> the conditional confidences the engine receives: through
+    the survival maps [k', K] when the checkpoint has them, else σ(z_i / T_i) (`temperature` [>= k] per position,
+    or None: uncalibrated)."""
+    if survival_map is not None:
+        return survival_confidences(z, survival_map)
+    return torch.sigmoid(z if temperature is None else z / temperature[: z.shape[-1]])
+
+
 class DSparkStage(Block):
     """One draft layer (a V4 block numbered `num_hidden_layers + stage`) plus the tensors its stage owns."""
 
@@ -195,14 +205,6 @@ class DSparkDraftModel(nn.Module):
         e = self.last.markov_head.markov_w1(prev_ids).float()
         x = torch.cat([hidden.float(), e], dim=-1)
         return F.linear(x, self.last.confidence_head.proj.weight.float()).squeeze(-1)
-
-    def block_confidences(self, z: torch.Tensor) -> torch.Tensor:
-        """Raw confidence logits of whole blocks [..., k] -> calibrated conditional confidences [..., k]: the
-        survival maps when the checkpoint has them, else σ(z_i / T_i)."""
-        head = self.last.confidence_head
-        if head.survival_map is not None:
-            return survival_confidences(z, head.survival_map.to(z.device))
-        return torch.stack([self.confidence(z[..., i], i) for i in range(z.shape[-1])], dim=-1)
 
     def confidence(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         """Confidence of block position `position` (0-based) scaled alone: sigmoid(z / T_position)."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
-from sparkspec.models.dspark import DSparkDraftModel, survival_confidences
+from sparkspec.models.dspark import DSparkDraftModel, calibrated_confidences
 from sparkspec.ops.sampling import STREAM_DRAFT, probs_for, sample
 from sparkspec.spec_decode.proposer import DraftBatch, Proposer, StepRows
 
@@ -45,8 +45,8 @@ class DSparkProposer(Proposer):
                                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """The two heads as the left-to-right loop uses them, fp32 on the device: (markov_w2 with the confidence
         weights of the predecessor embedding as one more row [V (+1), r], the confidence weights of h [1, H] or
-        None, per-position calibration temperatures [k], the survival maps [k, K] or None). One GEMV per position then gives both the Markov bias
-        and the predecessor's share of the confidence logit."""
+        None, per-position calibration temperatures [k], the survival maps [k, K] or None). One GEMV per position
+        then gives both the Markov bias and the predecessor's share of the confidence logit."""
         last, k = self.drafter.last, self.num_spec_tokens
         w = last.markov_head.markov_w2.weight.float()  # [V, r]
         head, w_h, survival_map = last.confidence_head, None, None
@@ -98,6 +98,5 @@ class DSparkProposer(Proposer):
         confidences = None
         if w_h is not None:  # z_i = proj_h · h_i + proj_e · markov_w1[prev_i], then the calibration
             z = F.linear(out.hidden.float(), w_h).squeeze(-1) + torch.stack(conf_z, 1)  # [R, k]
-            confidences = (torch.sigmoid(z / temperature[:k]) if survival_map is None
-                           else survival_confidences(z, survival_map))
+            confidences = calibrated_confidences(z, temperature, survival_map)
         return DraftBatch(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), confidences)

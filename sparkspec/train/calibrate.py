@@ -82,26 +82,22 @@ def fit_sts(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, grid: torch.T
 MAP_KNOTS = 41  # values of each position's survival map, at block features 0, 1/40, ..., 1
 
 
-def isotonic(x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Weighted least-squares non-decreasing fit of y on x (pool adjacent violators) -> (block mean x, block
-    value), both non-decreasing: the fitted step function, for `np.interp`. A block's value is Σ w·y / Σ w."""
+def isotonic(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares non-decreasing fit of y on x (pool adjacent violators) -> (block mean x, block mean y), both
+    non-decreasing: the fitted step function, for `np.interp`."""
     order = np.argsort(x, kind="stable")
-    w = np.ones_like(y) if w is None else w
-    vals: list[float] = []
-    weights: list[float] = []
+    means: list[float] = []
+    counts: list[int] = []
     xsum: list[float] = []
-    count: list[int] = []
-    for xi, yi, wi in zip(x[order].tolist(), y[order].tolist(), w[order].tolist()):
-        vals.append(yi)
-        weights.append(wi)
+    for xi, yi in zip(x[order].tolist(), y[order].tolist()):
+        means.append(yi)
+        counts.append(1)
         xsum.append(xi)
-        count.append(1)
-        while len(vals) > 1 and vals[-2] > vals[-1]:
-            wsum = weights[-2] + weights[-1]
-            v = (vals[-2] * weights[-2] + vals[-1] * weights[-1]) / wsum if wsum > 0 else max(vals[-2:])
-            vals[-2:], weights[-2:] = [v], [wsum]
-            xsum[-2:], count[-2:] = [xsum[-2] + xsum[-1]], [count[-2] + count[-1]]
-    return np.asarray(xsum) / np.asarray(count), np.asarray(vals)
+        while len(means) > 1 and means[-2] > means[-1]:
+            n = counts[-2] + counts[-1]
+            means[-2:] = [(means[-2] * counts[-2] + means[-1] * counts[-1]) / n]
+            xsum[-2:], counts[-2:] = [xsum[-2] + xsum[-1]], [n]
+    return np.asarray(xsum) / np.asarray(counts), np.asarray(means)
 
 
 def fit_survival_map(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, knots: int = MAP_KNOTS) -> torch.Tensor:
