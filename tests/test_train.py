@@ -15,7 +15,7 @@ from sparkspec.train.calibrate import ece, fit_sts, prefix_survival
 from sparkspec.train.dspark import block_forward, dspark_loss, init_drafter, position_weights, sample_blocks
 from sparkspec.train.features import Sequences, compute_features, freeze
 from sparkspec.train.mtp import init_mtp, mtp_loss
-from sparkspec.train.target import init_target, lm_loss
+from sparkspec.train.target import init_target, pack_windows
 
 DEVICE = torch.device("cpu")
 
@@ -96,8 +96,9 @@ def test_target_step_lowers_loss(cfg):
     common.use_native_ops()
     torch.manual_seed(0)
     model = init_target(cfg, seed=0)
-    windows = torch.randint(0, cfg.vocab_size, (2, 33))
-    first, last = steps_lower_loss(lambda: lm_loss(model, windows), model.parameters())
+    stream = torch.randint(0, cfg.vocab_size, (66,)).numpy()
+    batch = pack_windows(stream, [0, 33], 32, None)  # two windows of 33 tokens, one sequence each
+    first, last = steps_lower_loss(lambda: batch.loss(model), model.parameters())
     assert last < first
 
 

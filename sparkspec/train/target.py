@@ -41,19 +41,6 @@ def init_target(cfg: ModelConfig, seed: int) -> DeepseekV4Model:
     return model
 
 
-def forward_lm(model: DeepseekV4Model, ids: torch.Tensor, **kw):
-    """ids [B, L] -> ModelOutput over B fresh sequences (logits for every row: [B·L, V])."""
-    B, L = ids.shape
-    return forward_sequences(model, ids.reshape(-1), [L] * B, **kw)
-
-
-def lm_loss(model: DeepseekV4Model, windows: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy over windows [B, L+1], each one sequence."""
-    inputs, labels = windows[:, :-1], windows[:, 1:]
-    out = forward_lm(model, inputs)
-    return F.cross_entropy(out.logits.float(), labels.reshape(-1).to(out.logits.device))
-
-
 IGNORE = -100  # label of a sequence's last row: its next token opens another document
 
 
