@@ -74,8 +74,8 @@ class ConfidenceHead(nn.Module):
         # [k] per-position temperatures (sequential temperature scaling), loaded when the checkpoint has
         # `confidence_head.temperature`; None = uncalibrated (T = 1)
         self.temperature: torch.Tensor | None = None
-        # [k, K] per-position monotone maps of the raw prefix survival (`survival_confidences`), loaded from
-        # `confidence_head.survival_map`; when present they replace the temperatures
+        # [k, K] per-position monotone maps from the block feature to the prefix survival (`survival_confidences`),
+        # loaded from `confidence_head.survival_map`; when present they replace the temperatures
         self.survival_map: torch.Tensor | None = None
 
 

@@ -1,6 +1,6 @@
-"""`sparkspec train calibrate`: calibration of the DSpark confidence head: per-position isotonic maps of the
-prefix survival (shipped), with Sequential Temperature Scaling (STS, DSpark paper §3.2.1) and its Platt variant
-measured beside them.
+"""`sparkspec train calibrate`: calibration of the DSpark confidence head: per-position isotonic maps from one
+block feature to the prefix survival (shipped), with Sequential Temperature Scaling (STS, DSpark paper §3.2.1)
+and its Platt variant measured beside them.
 
 Terms: for a drafted block, z_k is the confidence logit of position k (1-based) and the prefix label
 y_k = 1[drafts 1..k all accepted]. The deployed prefix-survival estimate is a_k = Π_{i≤k} σ(z_i / T_i).
@@ -166,8 +166,8 @@ def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seq
                          temperature: float = 0.0, seed: int = 0, device: str | None = None) -> dict:
     """Fit the calibrations on half of the held-out greedy sequences, report ECE per position on the other half,
     and store them in the checkpoint plus `calibration.json`: `mtp.{last}.confidence_head.survival_map` [k, K]
-    (isotonic maps of the raw prefix survival: what inference applies), and, for comparison,
-    `.temperature` [k] (STS: c_k = σ(z_k / T_k)) and `.platt_temperature` / `.platt_bias` [k]
+    (per-position isotonic maps of the block feature to the prefix survival: what inference applies), and, for
+    comparison, `.temperature` [k] (STS: c_k = σ(z_k / T_k)) and `.platt_temperature` / `.platt_bias` [k]
     (c_k = σ(z_k / T_k + b_k))."""
     from sparkspec.models.dspark import DSparkDraftModel
     from sparkspec.train.features import compute_features, load_frozen_target, load_sequences, save_drafter
