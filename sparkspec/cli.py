@@ -143,13 +143,13 @@ def _config_and_tokenizer(model_dir):
 
 
 def cmd_generate(args) -> int:
-    import torch
-
     from sparkspec.checkpoint import load_checkpoint
     from sparkspec.engine.llm import LLM
+    from sparkspec.platform import check_device
     from sparkspec.sampling_params import SamplingParams
     from sparkspec.spec_decode.metrics import SpecMetrics
 
+    device = check_device(args.device)  # before anything loads: a bad or missing device is a one-line error
     if not args.model.exists():
         raise UserError(f"model directory not found: {args.model}")
     if args.prompts_file is not None and not args.prompts_file.is_file():
@@ -163,7 +163,6 @@ def cmd_generate(args) -> int:
     if args.tensor_parallel_size < 1:
         raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected a positive integer")
     tp = args.tensor_parallel_size
-    device = torch.device(args.device) if args.device else None
     if tp > 1:
         from sparkspec.distributed.engine import rank_device
 
@@ -191,6 +190,7 @@ def cmd_generate(args) -> int:
         pg = launch(tp, run_rank, (str(args.model), args.device, None, llm_kwargs, args.quantization), device)
         ckpt = load_checkpoint(args.model, device=device, progress=True, parallel=pg,
                                expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
+    llm = None  # the `finally` runs when LLM(...) fails too, and must not hide that error
     try:
         llm = LLM(ckpt, parallel=pg, **llm_kwargs)
         t0 = time.perf_counter()
@@ -201,7 +201,7 @@ def cmd_generate(args) -> int:
         if pg is not None:
             from sparkspec.distributed.engine import finish
 
-            finish(llm.engine)
+            finish(llm.engine if llm is not None else None)
     total = time.perf_counter() - t0
     spec = [SpecMetrics.from_request(llm.method, llm.num_spec_tokens, o.metrics) for o in outs]
     for i, ((text, ids), out) in enumerate(zip(prompts, outs)):

@@ -60,6 +60,34 @@ def available_device_types() -> list[str]:
     return types
 
 
+def check_device(name: str | None, flag: str = "--device") -> torch.device | None:
+    """A device flag's value -> the torch.device, checked usable by this process before anything loads (None stays
+    None: the platform default). ValueError naming the flag for a name torch does not parse, a device type this
+    torch build or machine lacks (`--device cuda` on a CPU-only torch), or an index past the device count."""
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{flag} {name!r}: not a device (expected cpu, cuda, cuda:N, xpu or xpu:N)") from None
+    available = available_device_types()
+    if device.type not in available:
+        built = {"cuda": torch.backends.cuda.is_built(), "xpu": hasattr(torch, "xpu")}
+        if device.type not in built:
+            why = "sparkspec runs on cpu, cuda or xpu devices"
+        elif built[device.type]:
+            why = f"no {device.type} device is visible to this process"
+        else:
+            why = f"this torch ({torch.__version__}) has no {device.type.upper()} support"
+        raise ValueError(f"{flag} {name}: {why} (available: {', '.join(available)})")
+    if device.index is not None and device.type != "cpu":
+        count = (torch.cuda if device.type == "cuda" else torch.xpu).device_count()
+        if device.index >= count:
+            raise ValueError(f"{flag} {name}: device index {device.index} out of range ({count} {device.type} "
+                             f"device{'s' if count != 1 else ''})")
+    return device
+
+
 def _version(module: str) -> str:
     import importlib.metadata
 

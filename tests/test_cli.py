@@ -4,6 +4,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from sparkspec.cli import main
 
@@ -102,3 +103,60 @@ def test_env_lists_every_op(capsys):
     ops_section = out.split("op implementation per device type:")[1]
     for name in op_names():
         assert f"  {name} " in ops_section
+
+
+# ---------------------------------------------------------------- device and dtype flags, before the model loads
+
+DEVICE_COMMANDS = {"generate": ["generate"], "serve": ["serve", "--port", "0"], "bench offline": ["bench", "offline"]}
+BAD_DEVICES = ["bogus", "cuda:x", "meta"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:0"])
+
+
+@pytest.fixture
+def unreadable_checkpoint(tmp_path):
+    """A checkpoint directory whose config cannot be read: a flag refused after any loading began would report
+    the config instead, so naming the flag shows that nothing was read first."""
+    (tmp_path / "config.json").write_text("{not json")
+    return tmp_path
+
+
+@pytest.mark.parametrize("command", list(DEVICE_COMMANDS))
+@pytest.mark.parametrize("device", BAD_DEVICES)
+def test_a_bad_device_is_one_line_before_the_model_loads(capsys, unreadable_checkpoint, command, device):
+    code, err = run(capsys, *DEVICE_COMMANDS[command], "--model", str(unreadable_checkpoint), "--device", device)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --device ") and device in err[0], err
+
+
+@pytest.mark.parametrize("command", ["serve", "bench offline"])
+def test_a_bad_dtype_is_one_line_before_the_model_loads(capsys, unreadable_checkpoint, command):
+    code, err = run(capsys, *DEVICE_COMMANDS[command], "--model", str(unreadable_checkpoint), "--dtype", "bogus")
+    assert code == 2 and len(err) == 1 and "dtype" in err[0] and "bogus" in err[0], err
+
+
+def test_a_bad_device_from_the_shell(unreadable_checkpoint):
+    """The installed entry point: exit code 2, one line on stderr, no traceback."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "sparkspec.cli", "generate", "--model", str(unreadable_checkpoint),
+                        "--device", "bogus"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --device 'bogus': not a device (expected cpu, cuda, cuda:N, xpu or xpu:N)"]
+
+
+def test_a_failing_engine_under_tensor_parallelism_reports_its_own_error(capsys, monkeypatch, tiny_checkpoint):
+    """`LLM(...)` failing on rank 0: the other ranks are still stopped, and the error shown is that failure (the
+    group is faked: one rank, no processes)."""
+    import sparkspec.distributed.engine as dist_engine
+    import sparkspec.engine.llm
+    from sparkspec.distributed import ParallelGroup
+
+    finished = []
+    monkeypatch.setattr(dist_engine, "launch", lambda *a, **k: ParallelGroup(0, 1))
+    monkeypatch.setattr(dist_engine, "finish", finished.append)
+
+    def failing_llm(*a, **k):
+        raise ValueError("max_model_len = 3: the engine refused it")
+
+    monkeypatch.setattr(sparkspec.engine.llm, "LLM", failing_llm)
+    code, err = run(capsys, "generate", "--model", str(tiny_checkpoint), "--tensor-parallel-size", "2",
+                    "--device", "cpu")
+    assert code == 2 and err[-1] == "error: max_model_len = 3: the engine refused it" and finished == [None]

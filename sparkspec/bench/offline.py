@@ -75,8 +75,10 @@ def run_offline(args) -> list[dict]:
     from sparkspec.checkpoint import load_checkpoint
     from sparkspec.engine.config import EngineConfig
     from sparkspec.engine.llm_engine import LLMEngine
+    from sparkspec.platform import check_device
     from sparkspec.sampling_params import SamplingParams
 
+    check_device(args.device)  # before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = [Setting.parse(s) for s in args.settings.split(",")]

@@ -1,12 +1,18 @@
-"""How many KV blocks the engine may hand out: bytes per cached position for every cache kind, and a memory budget.
+"""How many KV blocks the engine may hand out: what a block costs in every pool, what the engine allocates
+besides the blocks, and a memory budget.
 
 One allocator: the `BlockManager` (pure Python) hands out block ids, and a block id IS a row range in every
 pool of `models/cache.py` (`KVCache`: every cache kind of every target layer) and of the drafter's pools, so
-whatever it admits fits by construction. A block costs `bytes_per_block` = every kind of every layer for
-`block_size` positions (a block's compressed entries are charged to it). Rows older than the sliding window
-are kept (the compressor re-pools them after a rollback); they are charged, not hidden.
+whatever it admits fits by construction. A block costs `bytes_per_block` = every pool of every layer for
+`block_size` positions (a block's compressed entries are charged to it), priced from the same layout
+(`models.cache.cache_layout`) that `KVCache` allocates, in the dtype it allocates in. Rows older than the
+sliding window are kept (the compressor re-pools them after a rollback); they are charged, not hidden.
 
-Cache kinds per target layer and position (`ModelConfig` names):
+Besides the blocks (`overhead_bytes`): every pool's scratch block (one block more than handed out) and trash row,
+and the runner's buffers (`ModelRunner.buffers`: `q_store`, [max_num_seqs, k, V] fp32, with on-device drafts).
+`total_bytes` = blocks + overhead is what the engine allocates for its caches.
+
+Cache kinds per target layer and position (`bytes_per_token`, for the startup line):
   * sliding-window KV latent       head_dim x dtype                         every layer
   * compressor partial state       2 x width x fp32 (kv + gate score)      compressed layers (CSA / HCA)
   * compressed KV entries          head_dim x dtype / ratio                compressed layers
@@ -17,30 +23,43 @@ Cache kinds per target layer and position (`ModelConfig` names):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from sparkspec.config import ModelConfig
+from sparkspec.models.cache import cache_layout
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# pool kind (`models.cache.Pool.kind`) -> the cache kind it is reported under ("attn" splits into the raw rows
+# and the block's compressed entries)
+KIND_NAMES = {"comp_kv": "compressor_state", "comp_score": "compressor_state", "idx_kv": "indexer",
+              "idx_score": "indexer", "idx_keys": "indexer"}
 
 
-def cache_bytes_per_token(cfg: ModelConfig, block_size: int = 16) -> dict[str, int]:
-    """Bytes one cached position costs, per cache kind, summed over the target layers (the pool layout of
-    `models/cache.py`; a block's compressed entries are charged to its positions, rounded up per block)."""
-    elt = DTYPE_BYTES[cfg.torch_dtype]
+def latent_dtype(cfg: ModelConfig, dtype: torch.dtype | None) -> torch.dtype:
+    """The latent pools' dtype: the model's (what `KVCache` allocates in); None: the config's `torch_dtype`."""
+    return dtype if dtype is not None else getattr(torch, cfg.torch_dtype)
+
+
+def cache_bytes_per_block(cfg: ModelConfig, block_size: int = 16, dtype: torch.dtype | None = None
+                          ) -> dict[str, int]:
+    """Bytes one block costs, per cache kind, summed over the target layers' pools (`cache_layout`)."""
     kinds = {"swa_kv": 0, "compressor_state": 0, "compressed_kv": 0, "indexer": 0}
-    for layer in range(cfg.num_hidden_layers):
-        kinds["swa_kv"] += cfg.head_dim * elt
-        ratio = cfg.compress_ratio(layer)
-        if ratio > 1:
-            entries = -(-block_size // ratio)  # per block
-            width = cfg.head_dim * (2 if ratio == 4 else 1)
-            kinds["compressor_state"] += 2 * width * 4
-            kinds["compressed_kv"] += -(-entries * cfg.head_dim * elt // block_size)
-            if cfg.layer_types[layer] == "compressed_sparse_attention":
-                iwidth = cfg.index_head_dim * (2 if ratio == 4 else 1)
-                kinds["indexer"] += 2 * iwidth * 4 + -(-entries * cfg.index_head_dim * 4 // block_size)
+    for pools in cache_layout(cfg, block_size, latent_dtype(cfg, dtype)):
+        for p in pools:
+            if p.kind == "attn":
+                kinds["swa_kv"] += block_size * p.bytes_per_row
+                kinds["compressed_kv"] += p.bytes_per_block - block_size * p.bytes_per_row
+            else:
+                kinds[KIND_NAMES[p.kind]] += p.bytes_per_block
     return kinds
+
+
+def cache_bytes_per_token(cfg: ModelConfig, block_size: int = 16, dtype: torch.dtype | None = None
+                          ) -> dict[str, int]:
+    """Bytes one cached position costs, per cache kind (a block's compressed entries are charged to its
+    positions, rounded up). `dtype`: the latent pools' (the loaded model's); None: the config's."""
+    return {k: -(-v // block_size) for k, v in cache_bytes_per_block(cfg, block_size, dtype).items()}
 
 
 @dataclass
@@ -51,12 +70,19 @@ class KVCachePlan:
     bytes_per_token: dict[str, int]  # per cache kind
     budget_bytes: int
     source: str  # how the budget was chosen
+    overhead_bytes: dict[str, int] = field(default_factory=dict)  # allocated besides the blocks, by name
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the engine allocates for its caches: the blocks and the overhead."""
+        return self.num_blocks * self.bytes_per_block + sum(self.overhead_bytes.values())
 
     def describe(self) -> str:
         kinds = ", ".join(f"{k} {v} B" for k, v in self.bytes_per_token.items() if v)
+        extra = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.overhead_bytes.items() if v)
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} positions = "
-                f"{self.num_blocks * self.block_size} positions, {self.budget_bytes / 2**20:.1f} MiB "
-                f"({self.source}); per position: {kinds}")
+                f"{self.num_blocks * self.block_size} positions, {self.total_bytes / 2**20:.1f} MiB allocated "
+                f"({self.source}; besides the blocks: {extra}); per position: {kinds}")
 
 
 def available_memory_bytes(device: str = "cpu") -> int:
@@ -77,38 +103,50 @@ def available_memory_bytes(device: str = "cpu") -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def plan_kv_cache(cfg: ModelConfig, *, block_size: int = 16, max_num_seqs: int = 64, max_model_len: int | None = None,
-                  kv_cache_memory: int | None = None, memory_fraction: float | None = None, device: str = "cpu",
-                  drafter_bytes_per_token: int = 0) -> KVCachePlan:
-    """Size the pools. Precedence: an explicit byte budget (`--kv-cache-memory`), else a fraction of the
-    free memory (`memory_fraction`), else enough for `max_num_seqs` requests of `max_model_len` positions,
-    capped at 90% of the free memory."""
+def plan_kv_cache(cfg: ModelConfig, *, dtype: torch.dtype | None = None, block_size: int = 16,
+                  max_num_seqs: int = 64, max_model_len: int | None = None, kv_cache_memory: int | None = None,
+                  memory_fraction: float | None = None, device: str = "cpu", drafter_bytes_per_token: int = 0,
+                  buffer_bytes: dict[str, int] | None = None) -> KVCachePlan:
+    """Size the pools. Precedence: an explicit byte budget for the blocks (`--kv-cache-memory`; the overhead
+    comes on top), else a fraction of the free memory (`memory_fraction`), else enough for `max_num_seqs`
+    requests of `max_model_len` positions, capped at 90% of the free memory; a share of free memory covers the
+    overhead too. `dtype`: the latent pools' (the loaded model's, which may differ from the config's);
+    `drafter_bytes_per_token`: the drafter's pools (`Proposer.bytes_per_position`); `buffer_bytes`: the runner's
+    other buffers (`ModelRunner.buffers`)."""
     if block_size < 1:
         raise ValueError(f"block_size = {block_size}: expected a positive integer")
-    per_token = cache_bytes_per_token(cfg, block_size)
+    per_token = cache_bytes_per_token(cfg, block_size, dtype)
     if drafter_bytes_per_token:
         per_token["drafter"] = drafter_bytes_per_token
-    bytes_per_block = block_size * sum(per_token.values())
+    pools = [p for layer in cache_layout(cfg, block_size, latent_dtype(cfg, dtype)) for p in layer]
+    bytes_per_block = sum(p.bytes_per_block for p in pools) + block_size * drafter_bytes_per_token
+    # a drafter's bytes_per_position is one row of each of its pools: its trash rows
+    overhead = {"scratch block": bytes_per_block,
+                "trash rows": sum(p.bytes_per_row for p in pools) + drafter_bytes_per_token, **(buffer_bytes or {})}
+    fixed = sum(overhead.values())
     max_len = max_model_len or cfg.max_position_embeddings
     if kv_cache_memory is not None:
         if kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory = {kv_cache_memory}: expected a positive number of bytes")
-        budget, source = int(kv_cache_memory), "--kv-cache-memory"
+        budget, source, blocks_budget = int(kv_cache_memory), "--kv-cache-memory", int(kv_cache_memory)
     elif memory_fraction is not None:
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction = {memory_fraction}: expected a number in (0, 1]")
         budget, source = int(available_memory_bytes(device) * memory_fraction), f"{memory_fraction:.0%} of free memory"
+        blocks_budget = budget - fixed
     else:
-        need = max_num_seqs * -(-max_len // block_size) * bytes_per_block
+        need = max_num_seqs * -(-max_len // block_size) * bytes_per_block + fixed
         cap = int(0.9 * available_memory_bytes(device))
         if need <= cap:
             budget, source = need, f"{max_num_seqs} sequences x {max_len} positions"
         else:
             budget, source = cap, "90% of free memory"
-    num_blocks = budget // bytes_per_block
+        blocks_budget = budget - fixed
+    num_blocks = max(blocks_budget, 0) // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"KV cache budget {budget} bytes holds no block of {bytes_per_block} bytes")
-    return KVCachePlan(block_size, int(num_blocks), bytes_per_block, per_token, budget, source)
+        raise ValueError(f"KV cache budget {budget} bytes holds no block of {bytes_per_block} bytes"
+                         + (f" besides the {fixed} bytes allocated with the blocks" if blocks_budget < budget else ""))
+    return KVCachePlan(block_size, int(num_blocks), bytes_per_block, per_token, budget, source, overhead)
 
 
 def parse_memory(text: str) -> int:

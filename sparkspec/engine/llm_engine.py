@@ -4,6 +4,7 @@ execute (verify -> accept -> propose next drafts, one device->host copy) -> comm
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from sparkspec.engine.model_runner import ModelRunner
 from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from sparkspec.engine.sequence import Sequence, TokenSource
 from sparkspec.engine.step_result import StepResult
+from sparkspec.models.cache import cache_dtype
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.tokenizer import IncrementalDetokenizer
 
@@ -100,10 +102,13 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.spec.proposer if self.spec else None, config.max_num_seqs)
         num_lookahead = self.spec.num_spec_tokens if self.spec else 0
         device = "cpu" if self.runner.device.type == "cpu" else str(self.runner.device)
-        self.kv_plan: KVCachePlan = plan_kv_cache(
-            cfg, block_size=config.block_size, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-            kv_cache_memory=config.kv_cache_memory, memory_fraction=config.memory_fraction, device=device,
-            drafter_bytes_per_token=self.spec.proposer.bytes_per_position() if self.spec else 0)
+        self.kv_plan: KVCachePlan = plan_kv_cache(  # priced in the dtypes and shapes `allocate` uses
+            cfg, dtype=cache_dtype(model), block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, kv_cache_memory=config.kv_cache_memory,
+            memory_fraction=config.memory_fraction, device=device,
+            drafter_bytes_per_token=self.spec.proposer.bytes_per_position() if self.spec else 0,
+            buffer_bytes={name: math.prod(shape) * dtype.itemsize
+                          for name, (shape, dtype) in self.runner.buffers().items()})
         self.runner.allocate(self.kv_plan.num_blocks, self.kv_plan.block_size)  # block ids ARE pool rows
         if self.runner.device.type == "cuda" and not config.enforce_eager:  # HIP builds report "cuda" too
             self.runner.use_graphs(config.max_num_seqs, self.max_model_len, num_lookahead,

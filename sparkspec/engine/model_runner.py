@@ -129,9 +129,15 @@ class ModelRunner:
         self.cache = KVCache(self.model, num_blocks, block_size)
         if self.proposer is not None:
             self.proposer.allocate(num_blocks, block_size, self.device, self.model.embed.weight.dtype)
-        if self.drafts_on_device:
-            self.q_store = torch.zeros(self.max_num_seqs, self.proposer.num_spec_tokens, self.model.cfg.vocab_size,
-                                       device=self.device)
+        for name, (shape, dtype) in self.buffers().items():
+            setattr(self, name, torch.zeros(shape, dtype=dtype, device=self.device))
+
+    def buffers(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What `allocate` makes besides the block pools, name -> (shape, dtype): priced by the engine's KV plan."""
+        if not self.drafts_on_device:
+            return {}
+        return {"q_store": ((self.max_num_seqs, self.proposer.num_spec_tokens, self.model.cfg.vocab_size),
+                            torch.float32)}
 
     @torch.inference_mode()
     def execute(

@@ -24,7 +24,11 @@ every row a later query reads is rewritten by the step that commits its position
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from sparkspec.config import CSA, ModelConfig
 
 
 def entries_per_block(block_size: int, ratio: int) -> int:
@@ -36,18 +40,56 @@ def entries_per_block(block_size: int, ratio: int) -> int:
     return -(-block_size // ratio)
 
 
-def layer_widths(layer) -> dict[str, tuple[int, bool]]:
-    """This layer's cache kinds -> (row width, stored in the model dtype rather than fp32)."""
-    attn = layer.attn
-    specs = {"attn": (attn.head_dim, True)}
-    if attn.compressor is not None:
-        w = attn.compressor.wkv.out_features
-        specs |= {"comp_kv": (w, False), "comp_score": (w, False)}
-    if attn.indexer is not None:
-        c = attn.indexer.compressor
-        specs |= {"idx_kv": (c.wkv.out_features, False), "idx_score": (c.wkv.out_features, False),
-                  "idx_keys": (c.head_dim, False)}
-    return specs
+def compressor_width(ratio: int, head_dim: int) -> int:
+    """Per-position partial-state width of a compressor (`c·d`): overlapping windows (ratio 4) keep two halves."""
+    return head_dim * (2 if ratio == 4 else 1)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool of one layer: `rows_per_block` rows of `width` elements per block, in `dtype`."""
+
+    kind: str  # attn | comp_kv | comp_score | idx_kv | idx_score | idx_keys
+    rows_per_block: int
+    width: int
+    dtype: torch.dtype
+
+    def num_rows(self, num_blocks: int) -> int:
+        """Rows allocated for `num_blocks` blocks: one block more (the scratch block) and the trash row."""
+        return (num_blocks + 1) * self.rows_per_block + 1
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.rows_per_block * self.width * self.dtype.itemsize
+
+    @property
+    def bytes_per_row(self) -> int:
+        return self.width * self.dtype.itemsize
+
+
+def cache_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list[list[Pool]]:
+    """Every pool of every target layer, the latents in `dtype` (the model's activations), the partial states
+    fp32. The one description of the layout: `KVCache` allocates it and the engine's KV plan prices it."""
+    f32, layers = torch.float32, []
+    for layer in range(cfg.num_hidden_layers):
+        ratio = cfg.compress_ratio(layer)
+        e = entries_per_block(block_size, ratio)
+        pools = [Pool("attn", block_size + e, cfg.head_dim, dtype)]
+        if ratio > 1:
+            w = compressor_width(ratio, cfg.head_dim)
+            pools += [Pool("comp_kv", block_size, w, f32), Pool("comp_score", block_size, w, f32)]
+        if cfg.layer_types[layer] == CSA:
+            w = compressor_width(ratio, cfg.index_head_dim)
+            pools += [Pool("idx_kv", block_size, w, f32), Pool("idx_score", block_size, w, f32),
+                      Pool("idx_keys", e, cfg.index_head_dim, f32)]
+        layers.append(pools)
+    return layers
+
+
+def cache_dtype(model) -> torch.dtype:
+    """The dtype of the latent pools: the activations' (the embedding's), not the first parameter's: mHC
+    parameters come first, and they stay fp32 in a bf16 model (`keep_fp32`)."""
+    return (model.embed.weight if hasattr(model, "embed") else next(model.parameters())).dtype
 
 
 class KVCache:
@@ -57,21 +99,13 @@ class KVCache:
                  dtype: torch.dtype | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KVCache(num_blocks={num_blocks}, block_size={block_size}): expected positive sizes")
-        # the activations' dtype (the embedding's), not the first parameter's: mHC parameters come first, and they
-        # stay fp32 in a bf16 model (`keep_fp32`)
-        p = model.embed.weight if hasattr(model, "embed") else next(model.parameters())
-        device, dtype = device or p.device, dtype or p.dtype
+        device = device or next(model.parameters()).device
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks  # pads block tables; rows past the real blocks
-        self.layers: list[dict[str, torch.Tensor]] = []
-        for layer in model.layers:
-            e = entries_per_block(block_size, layer.attn.ratio)
-            pools = {}
-            for kind, (width, model_dtype) in layer_widths(layer).items():
-                rows = {"attn": block_size + e, "idx_keys": e}.get(kind, block_size)
-                pools[kind] = torch.zeros((num_blocks + 1) * rows + 1, width, dtype=dtype if model_dtype else torch.float32,
-                                          device=device)
-            self.layers.append(pools)
+        layout = cache_layout(model.cfg, block_size, dtype or cache_dtype(model))
+        self.layers: list[dict[str, torch.Tensor]] = [
+            {p.kind: torch.zeros(p.num_rows(num_blocks), p.width, dtype=p.dtype, device=device) for p in pools}
+            for pools in layout]
 
     def trash_row(self, rows_per_block: int) -> int:
         """The last row of a pool with `rows_per_block` rows per block: writes that must land nowhere."""

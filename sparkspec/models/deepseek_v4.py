@@ -18,7 +18,7 @@ from torch import nn
 
 from sparkspec.config import CSA, ModelConfig, yarn_inv_freq
 from sparkspec.distributed import ParallelGroup, all_gather_last, all_reduce
-from sparkspec.models.cache import entries_per_block
+from sparkspec.models.cache import compressor_width, entries_per_block
 from sparkspec.models.forward_batch import Emission, ForwardBatch
 from sparkspec.ops import ops
 from sparkspec.ops.indices import chosen_rows
@@ -102,7 +102,7 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio, self.head_dim = ratio, head_dim
         self.overlap = ratio == 4
-        width = head_dim * (2 if self.overlap else 1)
+        width = compressor_width(ratio, head_dim)
         self.wkv = nn.Linear(cfg.hidden_size, width, bias=False)
         self.wgate = nn.Linear(cfg.hidden_size, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, width))

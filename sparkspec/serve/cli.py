@@ -126,6 +126,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from sparkspec.engine.async_engine import AsyncLLMEngine
+    from sparkspec.platform import check_device
     from sparkspec.serve.api import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -133,6 +134,7 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-request-bytes {args.max_request_bytes}: expected a positive number of bytes")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
+    check_device(args.device)
     engine, ckpt = build_engine(args, max_waiting=args.max_waiting)
     name = args.served_model_name or Path(ckpt.path).name
     print(f"serving '{name}' from {ckpt.path} on http://{args.host}:{args.port} "
