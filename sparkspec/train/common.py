@@ -1,5 +1,6 @@
 """Shared training plumbing: device/precision, seeds, a step-or-time budget with a warmup+cosine schedule,
-tqdm progress, periodic checkpoints and resume.
+tqdm progress, periodic checkpoints and resume, and `TrainLoop`, the one loop the three trainers (target,
+DSpark, MTP) run with their own loss functions.
 
 Precision: parameters stay fp32 (the master copy AdamW updates); on an accelerator the forward runs under
 bf16 autocast, on CPU everything is fp32 (exact, and CPU bf16 matmuls are slow).
@@ -13,11 +14,11 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 
 # the ops a training step spends its launches on (elementwise chains: mHC's Sinkhorn, norms, rotations, attention's
 # softmax): fused by torch.compile on accelerators. Not the cache writes (in place) nor the MoE (grouped GEMMs).
@@ -130,7 +131,7 @@ def load_state(out_dir: Path) -> dict | None:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def resume(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, log: "RunLog") -> tuple[int, float]:
+def resume(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, log: RunLog) -> tuple[int, float]:
     """Restore parameters, optimizer and loss log from `state_dir` if a saved state is there -> (step, elapsed s)."""
     state = load_state(state_dir)
     if state is None:
@@ -196,3 +197,73 @@ def adamw(params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95)) -> to
     params = [p for p in params if p.requires_grad]
     kw = {"fused": True} if params and params[0].is_cuda else {}
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **kw)
+
+
+def epoch_batches(num: int, batch_size: int, gen: torch.Generator) -> Iterator[list[int]]:
+    """Endless batches of `batch_size` indices into `num` items: a fresh permutation (drawn from `gen`) per
+    epoch, its tail short of a full batch skipped (with batch_size > num, every batch is a whole permutation)."""
+    order, cursor = torch.randperm(num, generator=gen).tolist(), 0
+    while True:
+        if cursor + batch_size > len(order):
+            order, cursor = torch.randperm(num, generator=gen).tolist(), 0
+        yield order[cursor : cursor + batch_size]
+        cursor += batch_size
+
+
+LossTerms = Callable[[], dict[str, torch.Tensor]]  # one batch -> named scalar losses, "loss" the one minimised
+
+
+class TrainLoop:
+    """The training loop of every trainer: resume from `state_dir` if a state is saved there, then until the
+    budget is spent: set the scheduled LR, run `loss_terms()` (one fresh batch) under autocast, step the
+    optimizer on its "loss"; every 10 steps (and at step 1) log the terms, the pre-clip gradient norm, the LR
+    and, given `tokens_per_step`, tokens per second; every `save_every` steps save a resumable state."""
+
+    def __init__(self, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, lr: float, steps: int,
+                 minutes: float | None, device: torch.device, state_dir: Path, save_every: int,
+                 tokens_per_step: int | None = None):
+        self.name, self.model, self.opt, self.lr, self.device = name, model, opt, lr, device
+        self.state_dir, self.save_every = Path(state_dir), save_every
+        self.log = RunLog()
+        self.step, elapsed_before = resume(self.state_dir, model, opt, self.log)  # 0, 0.0 on a fresh run
+        self.budget = Budget(steps, minutes, elapsed_before=elapsed_before)
+        self.timer = Throughput(tokens_per_step) if tokens_per_step else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.timer.rate if self.timer else 0.0
+
+    def run(self, loss_terms: LossTerms) -> None:
+        bar = progress_bar(self.budget.steps, self.name)
+        bar.update(self.step)
+        while not self.budget.done(self.step):
+            set_lr(self.opt, self.lr * self.budget.lr_scale(self.step))
+            with autocast(self.device):
+                terms = loss_terms()
+            grad_norm = optimizer_step(self.opt, self.model, terms["loss"])
+            self.step += 1
+            if self.timer:
+                self.timer.step(self.step)
+            if self.step % 10 == 0 or self.step == 1:
+                self._record(bar, terms, grad_norm)
+            bar.update(1)
+            if self.save_every and self.step % self.save_every == 0:
+                save_state(self.state_dir, self.step, self.model.state_dict(), self.opt, self.budget.elapsed,
+                           self.log.entries)
+        bar.close()
+
+    def _record(self, bar, terms: dict[str, torch.Tensor], grad_norm: torch.Tensor) -> None:
+        vals = {n: float(v.detach()) for n, v in terms.items()}
+        lr = self.opt.param_groups[0]["lr"]
+        rate = {"tokens_per_s": self.timer.rate} if self.timer else {}
+        self.log.add(self.step, self.budget.elapsed, **vals, grad_norm=float(grad_norm), lr=lr, **rate)
+        shown = {"loss": f"{vals['loss']:.3f}"}
+        if "accept" in vals:
+            shown["acc"] = f"{vals['accept']:.3f}"
+        if self.timer:
+            shown["tok_s"] = f"{self.timer.rate:.0f}"
+        bar.set_postfix(**shown)
+        if bar.disable and self.step % 100 == 0:  # no bar (SPARKSPEC_NO_PROGRESS=1, e.g. a job log): a line
+            print(f"{self.name} step {self.step} " + " ".join(f"{n} {v:.4f}" for n, v in vals.items())
+                  + f" lr {lr:.2e}" + (f" {self.timer.rate:.0f} tok/s" if self.timer else "")
+                  + f" {self.budget.elapsed:.0f}s", flush=True)
