@@ -79,7 +79,8 @@ class KVCachePlan:
 
     def describe(self) -> str:
         kinds = ", ".join(f"{k} {v} B" for k, v in self.bytes_per_token.items() if v)
-        extra = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.overhead_bytes.items() if v)
+        extra = ", ".join(f"{k} {v / 2**20:.1f} MiB" if v >= 2**20 else f"{k} {v / 2**10:.1f} KiB"
+                          for k, v in self.overhead_bytes.items() if v)
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} positions = "
                 f"{self.num_blocks * self.block_size} positions, {self.total_bytes / 2**20:.1f} MiB allocated "
                 f"({self.source}; besides the blocks: {extra}); per position: {kinds}")
