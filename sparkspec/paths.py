@@ -1,4 +1,5 @@
-"""Where the repository's own files are: the shipped demo checkpoint and the eval prompt sets.
+"""Where the repository's own files are: the shipped demo checkpoint and the eval prompt sets (and how an eval
+set reads: `read_turns`).
 
 Everything is located relative to this package (an editable install or a clone), never outside the repository.
 Command-line tools import their defaults from here rather than from `sparkspec.cli`, so that lower layers
@@ -7,6 +8,7 @@ Command-line tools import their defaults from here rather than from `sparkspec.c
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -28,6 +30,18 @@ def find_eval_file(name: str, data_dir: Path | None = None) -> Path:
         if (d / f"{name}.jsonl").is_file():
             return d / f"{name}.jsonl"
     raise FileNotFoundError(f"eval dataset '{name}': no {name}.jsonl in {', '.join(str(d) for d in dirs)}")
+
+
+def read_turns(path: Path) -> list[list[str]]:
+    """A DeepSpec eval file: one {"turns": [str, ...]} per line."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            obj = json.loads(line)
+            if not isinstance(obj.get("turns"), list) or not obj["turns"]:
+                raise ValueError(f"{path}:{n}: expected a non-empty 'turns' list")
+            out.append(obj["turns"])
+    return out
 
 
 def eval_files() -> list[Path]:

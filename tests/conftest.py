@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from sparkspec.config import ModelConfig
+from sparkspec.loading.state import load_state
 from sparkspec.models.cache import KVCache
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.forward_batch import build_batch, forward_sequences
-from sparkspec.models.weights import load_state
 
 DEVICE = torch.device(os.environ.get("SPARKSPEC_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cpu":
@@ -78,7 +78,7 @@ def tiny_config(**overrides) -> ModelConfig:
 
 def make_model(cfg: ModelConfig | None = None, seed: int = 0, device: torch.device = DEVICE) -> DeepseekV4Model:
     """A fp32 eval-mode model with the deterministic random weights `init_checkpoint` would write."""
-    from sparkspec.checkpoint import random_target_tensors
+    from sparkspec.loading.random_init import random_target_tensors
 
     cfg = cfg or tiny_config()
     model = DeepseekV4Model(cfg).to(device)
@@ -119,7 +119,7 @@ class Caches:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A random checkpoint of the `tiny` preset (with tokenizer, no drafter weights), made once per session."""
-    from sparkspec.checkpoint import init_checkpoint
+    from sparkspec.loading.random_init import init_checkpoint
 
     return init_checkpoint("tiny", tmp_path_factory.mktemp("tiny_ckpt"), seed=0)
 
@@ -129,6 +129,6 @@ def tiny_checkpoint_with_drafters(tmp_path_factory):
     """Like `tiny_checkpoint`, plus DSpark and MTP `mtp.*` weights (skipped until the drafter modules exist)."""
     pytest.importorskip("sparkspec.models.dspark")
     pytest.importorskip("sparkspec.models.mtp")
-    from sparkspec.checkpoint import init_checkpoint
+    from sparkspec.loading.random_init import init_checkpoint
 
     return init_checkpoint("tiny", tmp_path_factory.mktemp("tiny_ckpt_drafters"), seed=0, drafter="both")

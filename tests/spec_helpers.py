@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from sparkspec.config import ModelConfig
+from sparkspec.loading.random_init import init_dspark_tensors, init_mtp_tensors, random_tensors
+from sparkspec.loading.state import load_state
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
-from sparkspec.models.dspark import init_dspark_tensors
-from sparkspec.models.mtp import init_mtp_tensors
-from sparkspec.models.random_init import random_tensors
-from sparkspec.models.weights import load_state
 
 DEVICE = torch.device("cpu")
 

@@ -3,8 +3,8 @@ speculation."""
 
 import pytest
 
-from sparkspec.checkpoint import load_checkpoint
 from sparkspec.engine.llm import LLM
+from sparkspec.loading.checkpoint import load_checkpoint
 from sparkspec.paths import DEFAULT_MODEL
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.spec_decode.metrics import SpecMetrics

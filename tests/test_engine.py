@@ -31,7 +31,7 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ckpt(tiny_checkpoint_with_drafters):
-    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.loading.checkpoint import load_checkpoint
 
     return load_checkpoint(tiny_checkpoint_with_drafters)
 

@@ -15,21 +15,16 @@ from conftest import DEVICE, random_ids, run_full, tiny_config
 from safetensors.torch import save_file
 from test_weights import write_raw
 
-from sparkspec.checkpoint import (
-    load_checkpoint,
-    random_target_tensors,
-    write_checkpoint,
-)
-from sparkspec.models import weights
+from sparkspec.loading import CheckpointError, stream
+from sparkspec.loading.checkpoint import load_checkpoint
+from sparkspec.loading.names import official_name, split_fused_experts
+from sparkspec.loading.plan import plan_tensors
+from sparkspec.loading.random_init import random_target_tensors
+from sparkspec.loading.save import write_checkpoint
+from sparkspec.loading.state import load_state
+from sparkspec.loading.stream import read_tensors
 from sparkspec.models.deepseek_v4 import DeepseekV4Model, Rotary
-from sparkspec.models.quant import dequant_fp4, dequant_fp8_block, quantize_fp4, quantize_fp8_block
-from sparkspec.models.weights import (
-    CheckpointError,
-    _split_fused_experts,
-    load_state,
-    official_name,
-    read_tensors,
-)
+from sparkspec.ops.formats import dequant_fp4, dequant_fp8_block, quantize_fp4, quantize_fp8_block
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -115,7 +110,7 @@ def hf_pair(tmp_path, max_shard_size=None):
     tensors: dict[str, torch.Tensor] = {}
     for name, t in hf.state_dict().items():
         name = official_name(name)
-        if not _split_fused_experts(name, t, tensors):
+        if not split_fused_experts(name, t, tensors):
             tensors[name] = t
     return tmp_path, tensors
 
@@ -208,7 +203,7 @@ def test_header_errors_come_before_any_tensor_is_read(tmp_path, monkeypatch):
     def no_reading(*args, **kw):
         raise AssertionError("tensor data read before the checks")
 
-    monkeypatch.setattr(weights, "_read", no_reading)
+    monkeypatch.setattr(stream, "_read", no_reading)
     with pytest.raises(CheckpointError, match=re.escape("tensor 'head.weight' has shape (96, 33), expected (96, 32)")):
         load_checkpoint(path, device=DEVICE)
 
@@ -229,9 +224,9 @@ def test_reopening_shards_per_tensor_loads_the_same(tmp_path, monkeypatch):
     """With a tiny REMAP_BYTES every tensor gets a handle of its own (fused w1 / w3 read their row twice)."""
     path, _ = hf_pair(tmp_path)
     want = load_checkpoint(path, device=DEVICE)
-    plan = weights.plan_tensors(path)
-    monkeypatch.setattr(weights, "REMAP_BYTES", 1)
-    assert len(weights._mapping_groups(list(plan), plan)) == len(plan)
+    plan = plan_tensors(path)
+    monkeypatch.setattr(stream, "REMAP_BYTES", 1)
+    assert len(stream._mapping_groups(list(plan), plan)) == len(plan)
     assert_same_model(load_checkpoint(path, device=DEVICE).model, want.model)
 
 
@@ -261,7 +256,7 @@ import json, sys, torch
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from test_loading import model_bytes, old_way
-from sparkspec.checkpoint import _reset_peak_rss, _rss_bytes, load_checkpoint, read_config
+from sparkspec.loading.checkpoint import _reset_peak_rss, _rss_bytes, load_checkpoint, read_config
 from safetensors.torch import load_file
 path, way = Path(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(1)

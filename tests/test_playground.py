@@ -11,10 +11,10 @@ import openai
 import pytest
 from test_server import MODEL, Server
 
-from sparkspec.checkpoint import load_checkpoint
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.engine.sequence import TokenSource
+from sparkspec.loading.checkpoint import load_checkpoint
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.serve.api import STATIC_DIR
 from sparkspec.spec_decode.proposer import HostProposer

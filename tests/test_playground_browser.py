@@ -13,9 +13,9 @@ import httpx
 import pytest
 from test_server import Server
 
-from sparkspec.checkpoint import load_checkpoint
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.loading.checkpoint import load_checkpoint
 
 DEMO = Path(__file__).resolve().parents[1] / "checkpoints" / "demo"
 WAIT_MS = 20_000  # the longest any one step of the page may take (a 24-token answer takes about 1 s on 2 cores)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from sparkspec.checkpoint import meta_model
 from sparkspec.config import CSA, HCA, ModelConfig, preset_names
+from sparkspec.loading.meta import meta_model
 
 
 def expected_target_params(cfg: ModelConfig) -> tuple[int, int]:

@@ -24,12 +24,14 @@ if DEVICE.type == "cpu":
 from test_loading import quantised, write_shards
 from test_triton_kernels import assert_close
 
-from sparkspec.checkpoint import load_checkpoint, random_target_tensors
 from sparkspec.distributed import ParallelGroup
-from sparkspec.models.quant import Quantized, dequant_fp4, quantize_fp8_block
-from sparkspec.models.quantized import Fp4Linear, Fp8Linear, keep_quantized_, quantized_bytes
-from sparkspec.models.weights import CheckpointError, TensorSource, keep_problem
+from sparkspec.loading import CheckpointError
+from sparkspec.loading.checkpoint import load_checkpoint
+from sparkspec.loading.plan import TensorSource, keep_problem
+from sparkspec.loading.quantized import Fp4Linear, Fp8Linear, keep_quantized_, quantized_bytes
+from sparkspec.loading.random_init import random_target_tensors
 from sparkspec.ops import moe
+from sparkspec.ops.formats import Quantized, dequant_fp4, quantize_fp8_block
 from sparkspec.ops.quant import fp8_block_linear
 
 triton_quant = pytest.importorskip("sparkspec.ops.triton_kernels.quant")
@@ -75,7 +77,7 @@ def test_fp8_linear_triton_matches_dequantise_then_matmul(M, N, K, dtype):
 def test_fp8_linear_native_is_dequantise_then_matmul():
     w, s = fp8_weight(130, 260, seed=0)
     x = torch.randn(2, 3, 260, generator=_gen(1)).to(DEVICE)  # leading dims kept
-    from sparkspec.models.quant import dequant_fp8_block
+    from sparkspec.ops.formats import dequant_fp8_block
 
     want = x @ dequant_fp8_block(w, s).t()
     torch.testing.assert_close(fp8_block_linear(x, w, s), want, rtol=1e-5, atol=1e-5)
@@ -325,8 +327,9 @@ def test_misaligned_rank_slices_are_refused_by_keep_and_dequantised_by_auto(fp8_
     """The tiny config's wq_b rows (4 heads · 16) cut at 32 a rank: off the 128-blocks."""
     with pytest.raises(CheckpointError, match=r"'layers\.0\.attn\.wq_b\.weight'.*128-wide scale blocks"):
         load_checkpoint(fp8_fp4_checkpoint, device=DEVICE, quantization="keep", parallel=ParallelGroup(0, 2))
-    from sparkspec.checkpoint import _shard_plan, meta_model
-    from sparkspec.models.weights import plan_tensors
+    from sparkspec.loading.checkpoint import _shard_plan
+    from sparkspec.loading.meta import meta_model
+    from sparkspec.loading.plan import plan_tensors
 
     cfg = tiny_config(moe_intermediate_size=32)
     model = meta_model(cfg, torch.bfloat16)

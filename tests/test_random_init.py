@@ -9,8 +9,8 @@ import torch
 
 from sparkspec.config import ModelConfig
 from sparkspec.distributed import ParallelGroup
+from sparkspec.loading.random_model import random_model
 from sparkspec.models.forward_batch import forward_sequences
-from sparkspec.models.random_init import random_model
 
 CPU = torch.device("cpu")
 

@@ -25,7 +25,7 @@ def test_seed_out_of_range_names_seed(seed):
 
 @pytest.mark.parametrize("shard_size_bytes", [None, 200_000])
 def test_init_writes_every_file_with_one_mode(tmp_path, shard_size_bytes):
-    from sparkspec.checkpoint import init_checkpoint
+    from sparkspec.loading.random_init import init_checkpoint
 
     old = os.umask(0o022)
     try:

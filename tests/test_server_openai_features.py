@@ -10,9 +10,9 @@ import openai
 import pytest
 from test_server import MODEL, Server, wait_idle
 
-from sparkspec.checkpoint import load_checkpoint
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.loading.checkpoint import load_checkpoint
 
 PROMPT = [0, 17, 99, 250, 7, 17, 99]
 NGRAM_PROMPT, NGRAM_TOKENS = "Hello world", 40  # the tiny model's greedy output repeats itself here

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from test_server import Server, free_port, wait_idle
 
-from sparkspec.checkpoint import load_checkpoint
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.loading.checkpoint import load_checkpoint
 
 MODEL = "tiny"
 

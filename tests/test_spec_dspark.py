@@ -5,7 +5,8 @@ import pytest
 import torch
 from spec_helpers import drafter_tensors, one_thread, random_target, tiny_config, tiny_setup  # noqa: F401
 
-from sparkspec.models.dspark import DSparkDraftModel, context_rows
+from sparkspec.loading.drafters import dspark_from_tensors
+from sparkspec.models.dspark import context_rows
 from sparkspec.ops import ops
 from sparkspec.ops.indices import dspark_block_indices, dspark_index_width
 from sparkspec.sampling_params import SamplingParams
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def drafter():
     cfg, model, tensors = tiny_setup()
-    d = DSparkDraftModel.from_tensors(cfg, tensors).double().eval()
+    d = dspark_from_tensors(cfg, tensors).double().eval()
     return cfg, model, d
 
 
@@ -203,9 +204,9 @@ def test_calibrated_confidence_uses_per_position_temperatures():
     """`sparkspec train calibrate` stores T_k; the drafter then reports sigmoid(z_k / T_k), the last T past the end."""
     cfg, _, tensors = tiny_setup()
     last = f"mtp.{cfg.num_dspark_layers - 1}.confidence_head.temperature"
-    raw = DSparkDraftModel.from_tensors(cfg, tensors)
+    raw = dspark_from_tensors(cfg, tensors)
     temps = torch.tensor([0.5, 2.0, 4.0])
-    cal = DSparkDraftModel.from_tensors(cfg, {**tensors, last: temps})
+    cal = dspark_from_tensors(cfg, {**tensors, last: temps})
     z = torch.tensor([1.2, -0.7])
     for pos, t in [(0, 0.5), (1, 2.0), (2, 4.0), (5, 4.0)]:
         torch.testing.assert_close(cal.confidence(z, pos), torch.sigmoid(z / t))
@@ -218,7 +219,7 @@ def test_survival_map_is_loaded_and_replaces_the_temperatures():
     cfg, _, tensors = tiny_setup()
     name = f"mtp.{cfg.num_dspark_layers - 1}.confidence_head"
     table = torch.linspace(0, 1, 11).pow(2).expand(cfg.dspark_block_size, -1).contiguous()
-    cal = DSparkDraftModel.from_tensors(cfg, {**tensors, f"{name}.temperature": torch.full((3,), 2.0),
+    cal = dspark_from_tensors(cfg, {**tensors, f"{name}.temperature": torch.full((3,), 2.0),
                                               f"{name}.survival_map": table})
     z = torch.randn(4, cfg.dspark_block_size)
     head = cal.last.confidence_head  # what the proposer reads (`DSparkProposer.markov_confidence_weights`)
@@ -227,4 +228,4 @@ def test_survival_map_is_loaded_and_replaces_the_temperatures():
     survival = got.cumprod(-1)
     assert (survival[:, 1:] <= survival[:, :-1] + 1e-6).all()
     with pytest.raises(ValueError, match="survival_map"):
-        DSparkDraftModel.from_tensors(cfg, {**tensors, f"{name}.survival_map": torch.ones(5)})
+        dspark_from_tensors(cfg, {**tensors, f"{name}.survival_map": torch.ones(5)})

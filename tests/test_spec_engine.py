@@ -126,7 +126,7 @@ def test_seeded_sampling_is_independent_of_the_batch(setup, method):
 
 @pytest.fixture(scope="module")
 def demo():
-    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.loading.checkpoint import load_checkpoint
     from sparkspec.paths import DEFAULT_MODEL
 
     return load_checkpoint(DEFAULT_MODEL, dtype="float32")

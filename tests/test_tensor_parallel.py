@@ -101,8 +101,8 @@ def test_generate_with_two_processes_equals_one(tiny_checkpoint_with_drafters, e
 
 
 def full_then_shard(path, pg, expert_parallel, dtype):
-    from sparkspec.checkpoint import load_checkpoint
     from sparkspec.distributed.tensor_parallel import shard_
+    from sparkspec.loading.checkpoint import load_checkpoint
 
     ck = load_checkpoint(path, device="cpu", dtype=dtype)
     shard_(ck.model, pg, expert_parallel)
@@ -112,8 +112,8 @@ def full_then_shard(path, pg, expert_parallel, dtype):
 def assert_sharded_load_equals_full_then_shard(path, expert_parallel, dtype=torch.float32):
     """Every rank's sharded load holds exactly the tensors (names, shapes, values) of a full load then `shard_`;
     returns the ranks' bytes read."""
-    from sparkspec.checkpoint import load_checkpoint
     from sparkspec.distributed import ParallelGroup
+    from sparkspec.loading.checkpoint import load_checkpoint
 
     read = []
     for rank in range(2):
@@ -131,8 +131,8 @@ def assert_sharded_load_equals_full_then_shard(path, expert_parallel, dtype=torc
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2"])
 def test_sharded_load_reads_only_the_ranks_slices(tiny_checkpoint, tiny_checkpoint_with_drafters, expert_parallel):
-    from sparkspec.checkpoint import load_checkpoint
     from sparkspec.distributed import ParallelGroup
+    from sparkspec.loading.checkpoint import load_checkpoint
 
     assert_sharded_load_equals_full_then_shard(tiny_checkpoint_with_drafters, expert_parallel)  # drafters whole
     path = tiny_checkpoint
@@ -164,7 +164,7 @@ def test_quantised_checkpoint_loads_sharded(tmp_path, expert_parallel, dtype):
     from conftest import tiny_config
     from test_loading import quantised, write_shards
 
-    from sparkspec.checkpoint import random_target_tensors
+    from sparkspec.loading.random_init import random_target_tensors
 
     cfg = tiny_config(moe_intermediate_size=32)  # one FP4 block per w2 row: each rank's half is cut from it
     raw, _ = quantised(random_target_tensors(cfg, torch.Generator().manual_seed(8)))
@@ -183,12 +183,12 @@ def drafter_worker(rank: int, world: int, port: int, out: str) -> None:
     from sparkspec.distributed.tensor_parallel import shard_, shard_drafter_
     from sparkspec.engine.config import EngineConfig
     from sparkspec.engine.llm_engine import LLMEngine
-    from sparkspec.models.dspark import DSparkDraftModel
+    from sparkspec.loading.drafters import dspark_from_tensors
     from sparkspec.sampling_params import SamplingParams
     from sparkspec.spec_decode.dspark import DSparkProposer
 
     cfg, model, tensors = tiny_setup()
-    drafter = DSparkDraftModel.from_tensors(cfg, tensors).keep_fp32().eval()
+    drafter = dspark_from_tensors(cfg, tensors).keep_fp32().eval()
     prompts = mixed_prompts(cfg.vocab_size, [5, 17], seed=4)
     config = EngineConfig(max_num_seqs=4, speculative="dspark", num_spec_tokens=3, spec_budget="fixed")
 

@@ -131,7 +131,7 @@ def test_native_table_compiles_only_accelerator_tensors():
 def test_train_target_end_to_end_reports_heldout_bits_per_byte(tmp_path):
     """`sparkspec train target` on a tiny stream: a loadable checkpoint, a log with tokens/s and held-out bits per
     byte; `write=False` (scaling runs) writes nothing."""
-    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.loading.checkpoint import load_checkpoint
     from sparkspec.train.target import train_target
 
     g = np.random.default_rng(0)

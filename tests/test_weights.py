@@ -11,15 +11,12 @@ import torch
 from conftest import DEVICE, make_model, random_ids, run_full, tiny_config
 from safetensors.torch import save_file
 
-from sparkspec.checkpoint import (
-    CheckpointError,
-    init_checkpoint,
-    load_checkpoint,
-    random_target_tensors,
-    write_checkpoint,
-)
-from sparkspec.models.quant import quantize_fp4, quantize_fp8_block
-from sparkspec.models.weights import read_tensors
+from sparkspec.loading import CheckpointError
+from sparkspec.loading.checkpoint import load_checkpoint
+from sparkspec.loading.random_init import init_checkpoint, random_target_tensors
+from sparkspec.loading.save import write_checkpoint
+from sparkspec.loading.stream import read_tensors
+from sparkspec.ops.formats import quantize_fp4, quantize_fp8_block
 from sparkspec.tokenizer import Tokenizer
 
 

@@ -1,5 +1,5 @@
 """Benchmark bookkeeping shared by `bench offline` and `bench serve`: per-request timings, the summary row,
-the printed table, JSON and the throughput-vs-concurrency plot.
+the printed table, JSON and the throughput-vs-concurrency plot; and `sync`, the device wait of every timer.
 
 Definitions (per concurrency level, one speculative setting):
   * tok/s total     output tokens of all requests / wall time of the level
@@ -14,6 +14,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def sync(device) -> None:
+    """Wait for `device` (a torch.device) to finish its queued work, so that a timer reads the work's end."""
+    if device.type != "cpu":
+        import torch
+
+        torch.accelerator.synchronize(device)
 
 
 @dataclass

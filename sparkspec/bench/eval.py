@@ -39,8 +39,7 @@ def add_eval_parser(subparsers) -> None:
 
 
 def load_prompts(name: str, data_dir: Path | None, tokenizer, num: int) -> list[list[int]]:
-    from sparkspec.paths import find_eval_file
-    from sparkspec.train.data import read_turns
+    from sparkspec.paths import find_eval_file, read_turns
 
     turns = read_turns(find_eval_file(name, data_dir))[:num]
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t[0]}])) for t in turns]
@@ -129,7 +128,7 @@ def write_json(path: Path, model_dir: Path, model, args, rows: list[dict]) -> No
 
 def cmd_eval(args) -> int:
     from sparkspec.bench.common import require_plotting
-    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.loading.checkpoint import load_checkpoint
     from sparkspec.paths import DEFAULT_MODEL, find_eval_file
 
     if args.plot:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from sparkspec.bench.latency import sync
+from sparkspec.bench.common import sync
 from sparkspec.config import ModelConfig
 
 
@@ -39,8 +39,9 @@ def transformers_pair(cfg: ModelConfig, device: torch.device, dtype: torch.dtype
     """(transformers model, our model) with the same random weights: built by transformers, copied into ours."""
     import transformers
 
+    from sparkspec.loading.names import official_name, split_fused_experts
+    from sparkspec.loading.state import load_state
     from sparkspec.models.deepseek_v4 import DeepseekV4Model
-    from sparkspec.models.weights import _split_fused_experts, load_state, official_name
 
     torch.manual_seed(seed)
     with torch.device(device):
@@ -56,7 +57,7 @@ def transformers_pair(cfg: ModelConfig, device: torch.device, dtype: torch.dtype
     tensors: dict[str, torch.Tensor] = {}
     for name, t in hf.state_dict().items():
         name = official_name(name)
-        if not _split_fused_experts(name, t, tensors):
+        if not split_fused_experts(name, t, tensors):
             tensors[name] = t
     with torch.device(device):
         ours = DeepseekV4Model(cfg)

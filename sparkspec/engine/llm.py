@@ -37,7 +37,7 @@ class LLM:
         other keywords go to `EngineConfig` (max_num_seqs, max_num_batched_tokens, max_model_len,
         kv_cache_memory, block_size, ...)."""
         if isinstance(model, (str, Path)):
-            from sparkspec.checkpoint import load_checkpoint
+            from sparkspec.loading.checkpoint import load_checkpoint
 
             model = load_checkpoint(model, device=device, dtype=dtype)
         self.checkpoint = model
@@ -105,8 +105,8 @@ def run_rank(pg, model_path: str, device: str | None, dtype: str | None, llm_kwa
              quantization: str = "auto") -> None:
     """Ranks 1.. of a tensor-parallel run: load this rank's slices only, build the same engine as rank 0, then
     follow it."""
-    from sparkspec.checkpoint import load_checkpoint
     from sparkspec.distributed.engine import rank_device, worker_loop
+    from sparkspec.loading.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(model_path, device=rank_device(pg.rank, device), dtype=dtype, parallel=pg,
                            expert_parallel=llm_kwargs.get("expert_parallel", False), quantization=quantization)

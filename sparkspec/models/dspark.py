@@ -37,12 +37,8 @@ from torch import nn
 
 from sparkspec.config import ModelConfig
 from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Block, RMSNorm, head_logits
-from sparkspec.models.random_init import random_tensors
-from sparkspec.models.weights import CheckpointError, load_state
 from sparkspec.ops import ops
 from sparkspec.ops.indices import dspark_block_indices
-
-CONFIDENCE_SUFFIX = "confidence_head.proj.weight"
 
 
 def context_rows(ctx_ranges: torch.Tensor, window: int) -> torch.Tensor:
@@ -246,39 +242,9 @@ class DSparkDraftModel(nn.Module):
             out.confidence_logits = self.confidence_logits(hidden, prev_ids)
         return out
 
-    # ---- construction ----
-    @classmethod
-    def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> DSparkDraftModel:
-        """Build from checkpoint tensors named `mtp.S.*`; a missing tensor is a ValueError naming it.
-        Other tensors (the target's, classic MTP layers at later stages) are ignored."""
-        model = cls(cfg)
-        conf_name = f"mtp.{model.num_layers - 1}.{CONFIDENCE_SUFFIX}"
-        if conf_name not in tensors:
-            model.last.confidence_head = None
-        if "mtp.0.main_proj.weight" not in tensors:
-            raise CheckpointError("DSpark drafter: missing tensor 'mtp.0.main_proj.weight'; the checkpoint has no "
-                                  "DSpark weights (write them with `sparkspec init --drafter dspark`)")
-        # other stages' tensors (mtp.*) may be present; the target's are not ours to check
-        load_state(model, {k: v for k, v in tensors.items() if k.startswith("mtp.")}, source="DSpark drafter")
-        temperature = tensors.get(f"mtp.{model.num_layers - 1}.confidence_head.temperature")
-        if model.has_confidence and temperature is not None:
-            model.last.confidence_head.temperature = temperature.float()
-        survival_map = tensors.get(f"mtp.{model.num_layers - 1}.confidence_head.survival_map")
-        if model.has_confidence and survival_map is not None:
-            if survival_map.dim() != 2 or survival_map.shape[1] < 2:
-                raise CheckpointError(f"mtp.{model.num_layers - 1}.confidence_head.survival_map: expected [k, K >= 2], "
-                                      f"got {tuple(survival_map.shape)}")
-            model.last.confidence_head.survival_map = survival_map.float()
-        return model
-
     def keep_fp32(self) -> DSparkDraftModel:
         """Cast mHC, sink, router-bias, Markov and confidence parameters back to fp32 after a `.to(bf16)`."""
         for name, p in self.named_parameters():
             if name.endswith(FP32_PARAM_SUFFIXES) or "markov_head" in name or "confidence_head" in name:
                 p.data = p.data.float()
         return self
-
-
-def init_dspark_tensors(cfg: ModelConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random DSpark stages `mtp.0..n-1` (with the confidence head), fp32, official names."""
-    return random_tensors(DSparkDraftModel(cfg), generator)

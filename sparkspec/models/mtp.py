@@ -25,12 +25,11 @@ Checkpoint layout: `mtp.S.{enorm,hnorm,e_proj,h_proj}.weight`, `mtp.S.hc_head_{f
 `mtp.S.emb.*` / `mtp.S.head.*` copies, if present, are ignored (embedding and head are the target's).
 **When a checkpoint carries both drafters**, the DSpark stages are `mtp.0..n_dspark-1` (they own
 `main_proj`) and the MTP layers follow at `mtp.n_dspark..` (they own `e_proj`); each drafter is detected by
-its own tensors (`find_mtp_stages`, `init_drafter_tensors`).
+its own tensors (`sparkspec.loading.drafters`).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -38,17 +37,7 @@ from torch import nn
 
 from sparkspec.config import ModelConfig
 from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Attention, Block, RMSNorm, head_logits
-from sparkspec.models.random_init import random_tensors
-from sparkspec.models.weights import CheckpointError, load_state
 from sparkspec.ops import ops
-
-
-def find_mtp_stages(tensors: dict[str, torch.Tensor]) -> list[int]:
-    """Stage numbers S that hold a classic MTP layer (`mtp.S.e_proj.weight`), ascending."""
-    stages = sorted(int(m.group(1)) for n in tensors if (m := re.match(r"^mtp\.(\d+)\.e_proj\.weight$", n)))
-    if stages and stages != list(range(stages[0], stages[0] + len(stages))):
-        raise CheckpointError(f"MTP drafter: layers must be consecutive stages, found mtp.{stages} with e_proj")
-    return stages
 
 
 class MTPLayer(Block):
@@ -111,42 +100,8 @@ class MTPDraftModel(nn.Module):
         norm = layer.norm if layer.norm is not None else target_norm
         return head_logits(head, norm(h).float())
 
-    # ---- construction ----
-    @classmethod
-    def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> MTPDraftModel:
-        """Build from checkpoint tensors; the layers are the `mtp.S` stages that own `e_proj` (ValueError if none)."""
-        stages = find_mtp_stages(tensors)
-        if not stages:
-            raise CheckpointError("MTP drafter: missing tensor 'mtp.0.e_proj.weight'; the checkpoint has no MTP "
-                                  "layers (write them with `sparkspec init --drafter mtp`)")
-        has_norm = f"mtp.{stages[0]}.norm.weight" in tensors
-        model = cls(cfg, len(stages), stages[0], has_norm)
-        # other stages' tensors (mtp.*) may be present; the target's are not ours to check
-        load_state(model, {k: v for k, v in tensors.items() if k.startswith("mtp.")}, source="MTP drafter")
-        return model
-
     def keep_fp32(self) -> MTPDraftModel:
         for name, p in self.named_parameters():
             if name.endswith(FP32_PARAM_SUFFIXES):
                 p.data = p.data.float()
         return self
-
-
-def init_mtp_tensors(cfg: ModelConfig, generator: torch.Generator, first_stage: int = 0) -> dict[str, torch.Tensor]:
-    """Random MTP layers `mtp.{first_stage}..` (num_nextn_predict_layers of them, >= 1), fp32, official names."""
-    return random_tensors(MTPDraftModel(cfg, max(cfg.num_nextn_predict_layers, 1), first_stage), generator)
-
-
-def init_drafter_tensors(cfg: ModelConfig, generator: torch.Generator, drafter: str) -> dict[str, torch.Tensor]:
-    """`drafter` = dspark | mtp | both: the `mtp.*` tensors `sparkspec init --drafter` writes (both: DSpark
-    stages first, MTP layers after them)."""
-    from sparkspec.models.dspark import init_dspark_tensors
-
-    if drafter not in ("dspark", "mtp", "both"):
-        raise ValueError(f"drafter = {drafter!r}: expected dspark, mtp or both")
-    out: dict[str, torch.Tensor] = {}
-    if drafter in ("dspark", "both"):
-        out.update(init_dspark_tensors(cfg, generator))
-    if drafter in ("mtp", "both"):
-        out.update(init_mtp_tensors(cfg, generator, cfg.num_dspark_layers if drafter == "both" else 0))
-    return out

@@ -1,7 +1,7 @@
 """MoE routing and expert compute. Legend: T tokens, H hidden, E experts, A active experts, I expert width.
 
 Routed experts are stacked once per layer (`expert_weights`): bf16 / fp32 tensors, or, for experts kept in FP4
-(`models.quantized.Fp4Linear`), `Quantized` stacks of packed e2m1 bytes [E, out, in/2] and e8m0 scales
+(`loading.quantized.Fp4Linear`), `Quantized` stacks of packed e2m1 bytes [E, out, in/2] and e8m0 scales
 [E, out, in/32]. `moe_experts` takes either: the native dequantises the FP4 stacks and runs the bf16 path
 (the oracle), the accelerated version dequantises tiles inside its Triton grouped GEMM.
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from sparkspec.models.quant import Quantized
+from sparkspec.ops.formats import Quantized
 from sparkspec.ops.registry import accelerated, native
 
 Weights = torch.Tensor | Quantized  # a stack of expert weights: plain, or FP4 codes with their scales

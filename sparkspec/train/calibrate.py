@@ -169,7 +169,7 @@ def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seq
     (per-position isotonic maps of the block feature to the prefix survival: what inference applies), and, for
     comparison, `.temperature` [k] (STS: c_k = σ(z_k / T_k)) and `.platt_temperature` / `.platt_bias` [k]
     (c_k = σ(z_k / T_k + b_k))."""
-    from sparkspec.models.dspark import DSparkDraftModel
+    from sparkspec.loading.drafters import dspark_from_tensors
     from sparkspec.train.features import compute_features, load_frozen_target, load_sequences, save_drafter
 
     if temperature != 0.0:
@@ -179,7 +179,7 @@ def calibrate_checkpoint(model_dir: Path, data: Path, anchors: int = 32, max_seq
     model_dir = Path(model_dir)
     ck = load_frozen_target(model_dir, dev)
     cfg, target = ck.config, ck.model
-    drafter = DSparkDraftModel.from_tensors(cfg, ck.drafter_tensors)
+    drafter = dspark_from_tensors(cfg, ck.drafter_tensors)
     if not drafter.has_confidence:
         raise ValueError(f"{model_dir}: the DSpark drafter has no confidence head to calibrate")
     p = next(target.parameters())

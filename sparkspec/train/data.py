@@ -18,24 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from sparkspec.paths import find_eval_file
+from sparkspec.paths import find_eval_file, read_turns
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
             "bard": "assistant", "assistant": "assistant", "system": "system"}
 EVAL_DATASETS = ("gsm8k", "humaneval", "mt-bench")
 _NGRAM = 8  # word n-gram length used to detect overlap with eval prompts
-
-
-def read_turns(path: Path) -> list[list[str]]:
-    """A DeepSpec eval file: one {"turns": [str, ...]} per line."""
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            obj = json.loads(line)
-            if not isinstance(obj.get("turns"), list) or not obj["turns"]:
-                raise ValueError(f"{path}:{n}: expected a non-empty 'turns' list")
-            out.append(obj["turns"])
-    return out
 
 
 def _words(text: str) -> list[str]:

@@ -98,7 +98,7 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
 
 def load_frozen_target(model_dir: Path, device: torch.device):
     """The target as the engine serves it (bf16 on accelerators, fp32 on CPU), frozen."""
-    from sparkspec.checkpoint import load_checkpoint
+    from sparkspec.loading.checkpoint import load_checkpoint
 
     ck = load_checkpoint(model_dir, device=device)
     freeze(ck.model)
@@ -109,7 +109,7 @@ def save_drafter(model_dir: Path, out_dir: Path, ck, new_tensors: dict[str, torc
                  shard_mb: int = 14) -> Path:
     """Rewrite the checkpoint with `new_tensors` replacing every existing drafter tensor whose stage is in
     `replace_prefixes` (e.g. ("mtp.0.", "mtp.1.")); the other drafter's tensors are kept."""
-    from sparkspec.checkpoint import write_checkpoint
+    from sparkspec.loading.save import write_checkpoint
 
     kept = {k: v for k, v in ck.drafter_tensors.items() if not k.startswith(tuple(replace_prefixes))}
     clash = sorted(set(kept) & set(new_tensors))

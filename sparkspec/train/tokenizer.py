@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from sparkspec.tokenizer import Tokenizer, stdlib_corpus, train_bpe_tokenizer
+from sparkspec.loading.bpe import stdlib_corpus, train_bpe_tokenizer
+from sparkspec.tokenizer import Tokenizer
 from sparkspec.train.data import load_sharegpt, split_of
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparkspec.models.quant import Quantized
+from sparkspec.ops.formats import Quantized
 from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter, same_device
 from sparkspec.ops.triton_kernels.quant import dot_t, weight_tile
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from sparkspec.ops.triton_kernels.common import check, on_interpreter, same_device
 
-FP8_BLOCK = 128  # models.quant.FP8_BLOCK
+FP8_BLOCK = 128  # ops.formats.FP8_BLOCK
 SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # the same inside kernels (they may read only constexpr globals)
 
 

@@ -1,5 +1,6 @@
 """Layers that keep FP8 / FP4 checkpoint weights quantised in memory, and the module surgery that puts them in
-a model built on the meta device (`load_checkpoint(..., quantization="keep")`).
+a model built on the meta device (`load_checkpoint(..., quantization="keep")`, `quantize_layers_` for random
+weights).
 
 * `Fp8Linear`: `weight` [out, in] float8_e4m3fn + `scale` [ceil(out/128), ceil(in/128)] fp32 (the checkpoint's
   names); forward = `ops.fp8_block_linear`. 1 byte a weight instead of 2 (bf16).
@@ -19,15 +20,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkspec.models.quant import FP4_BLOCK, dequant_fp4, fp4_scale_shape, fp8_scale_shape
-from sparkspec.models.weights import CheckpointError, TensorSource, keep_problem
+from sparkspec.loading import CheckpointError
+from sparkspec.loading.plan import TensorSource, keep_problem
 from sparkspec.ops import ops
+from sparkspec.ops.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp4, fp4_scale_shape, fp8_scale_shape
 
+# what happens to FP8 / FP4 checkpoint weights: "keep" them quantised in the layers that can compute on them
+# (`Fp8Linear`, `Fp4Linear`), "dequantize" them to the load dtype, or "auto": keep on accelerators, dequantise on CPU
+Quantization = Literal["auto", "keep", "dequantize"]
+QUANTIZATIONS = ("auto", "keep", "dequantize")
 FP8_LAYERS = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$")
 FP4_LAYERS = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]$")
 
@@ -105,6 +112,33 @@ def keep_quantized_(model: nn.Module, plan: dict[str, TensorSource], strict: boo
                 raise CheckpointError(f"tensor '{name}.weight' cannot stay quantised: {problem}")
             continue
         chosen[name] = cls
+    return swap_layers_(model, chosen, moe_experts)
+
+
+def quantize_layers_(model: nn.Module, cuts: dict) -> list[str]:
+    """On a meta target (sharded or not), replace the `nn.Linear` layers an official checkpoint stores quantised
+    and the model calls as modules (`FP8_LAYERS` -> `Fp8Linear`, `FP4_LAYERS` -> `Fp4Linear`) with
+    empty quantised layers of the same (rank's) shape, as `keep_quantized_` does from a checkpoint's dtypes.
+    A layer whose rank cut (`cuts`, from `shard_`) is not on its scale blocks stays plain (a tiny config's
+    slices; the real models' cuts all are); routed experts go all or none per MoE layer (they are stacked).
+    -> names of the replaced layers."""
+    chosen: dict[str, type[nn.Module]] = {}
+    moe_experts: dict[str, list[str]] = {}  # MoE layer -> its routed expert linears
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if FP4_LAYERS.match(name):
+            moe_experts.setdefault(name.split(".experts.")[0], []).append(name)
+            cls, blocks, fits = Fp4Linear, (1, FP4_BLOCK), module.in_features % FP4_BLOCK == 0
+        elif FP8_LAYERS.match(name):
+            cls, blocks, fits = Fp8Linear, (FP8_BLOCK, FP8_BLOCK), True
+        else:
+            continue
+        cut = cuts.get(name + ".weight")
+        if cut is not None and cut.dim is not None:
+            fits = fits and cut.start % blocks[cut.dim] == 0 and cut.stop % blocks[cut.dim] == 0
+        if fits:
+            chosen[name] = cls
     return swap_layers_(model, chosen, moe_experts)
 
 

@@ -1,10 +1,10 @@
-"""Dequantisation of DeepSeek-V4 checkpoint formats at load time.
+"""The FP8 / FP4 block formats of DeepSeek-V4 checkpoints: block sizes, scale shapes, dequantisation.
 
 * FP8 e4m3 weights with one scale per 128×128 block (`.scale` as e8m0 / fp32, or `weight_scale_inv`):
   W = w · scale[block].
 * FP4 e2m1 experts packed two per byte (low nibble first) with one e8m0 scale per 1×32 block.
 
-Also the forms a model keeps when it computes on quantised weights (`sparkspec.models.quantized`): FP8 block
+Also the forms a model keeps when it computes on quantised weights (`sparkspec.loading.quantized`): FP8 block
 scales as fp32, FP4 scales as raw e8m0 exponent bytes (`e8m0_bytes`), and `Quantized`, the pair a loader hands
 over instead of a dequantised tensor.
 """

@@ -1,53 +1,28 @@
-"""Random tensors for any sparkspec module, named as its state dict names them (official checkpoint names).
-
-Used by `init_dspark_tensors` / `init_mtp_tensors` (what `sparkspec init --drafter` writes) and by tests
-that build tiny random models. The scales keep activations O(1) through mHC, attention and MoE.
+"""Random models built on their device: the target (and the DSpark drafter) made on the meta device, sharded
+for one rank, then each tensor allocated on the device and filled there by `random_init.init_rule`, so that a rank
+never holds more than its share and nothing touches the disk or the host memory (latency benchmarks at real
+size, tests of tensor parallelism).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 from torch import nn
 
-from sparkspec.models.quant import FP4_BLOCK, FP4_VALUES, FP8_BLOCK, fp8_scale_shape
+from sparkspec.loading.meta import meta_drafter, meta_model, move_computed
+from sparkspec.loading.quantized import QUANTIZATIONS, Fp4Linear, Fp8Linear, quantize_layers_
+from sparkspec.loading.random_init import init_rule
+from sparkspec.loading.state import assign_tensor
+from sparkspec.ops.formats import FP4_BLOCK, FP4_VALUES, fp8_scale_shape
+from sparkspec.ops.moe import expert_weights
 
 # RMS of a random code: FP8 codes are drawn N(0, 16²) (e4m3 keeps 3 mantissa bits at any magnitude, and 16 σ
 # stays far below its 448 limit); FP4 codes are uniform random nibbles, whose RMS is that of the 16 e2m1 values.
 FP8_CODE_STD = 16.0
 FP4_CODE_RMS = FP4_VALUES.square().mean().sqrt().item()  # 2.93
-
-
-def random_tensors(module: nn.Module, generator: torch.Generator, prefix: str = "") -> dict[str, torch.Tensor]:
-    """name -> fp32 tensor (int64 for `tid2eid`) for every parameter and persistent buffer of `module`."""
-    out: dict[str, torch.Tensor] = {}
-    named = list(module.named_parameters()) + [(n, b) for n, b in module.named_buffers() if n.endswith("tid2eid")]
-    for name, p in named:
-        leaf = name.split(".")[-1]
-        shape = tuple(p.shape)
-        if leaf == "tid2eid":  # hash routing table [V, A]: A distinct experts per token id
-            num_experts = module.get_parameter(name.rsplit(".", 1)[0] + ".weight").shape[0]
-            t = torch.stack([torch.randperm(num_experts, generator=generator)[: shape[1]] for _ in range(shape[0])])
-        elif leaf.startswith("hc_") and leaf.endswith("_fn"):  # [M, n·H]: mixes of unit-RMS streams ~ N(0, 1)
-            t = torch.randn(shape, generator=generator) / shape[1] ** 0.5
-        elif leaf.endswith("_scale"):
-            t = torch.ones(shape)
-        elif leaf.endswith("_base") or leaf in ("attn_sink", "ape", "bias"):
-            t = torch.zeros(shape)
-        elif name.endswith("norm.weight"):
-            t = torch.ones(shape)
-        elif leaf == "weight" and len(shape) == 2:
-            is_table = name.endswith(("embed.weight", "markov_w1.weight"))
-            std = 1.0 if is_table else shape[1] ** -0.5  # lookup tables: unit rows; linears: fan-in scaling
-            t = torch.randn(shape, generator=generator) * std
-        else:
-            t = torch.randn(shape, generator=generator) * 0.02
-        out[prefix + name] = t
-    return out
-
-
-# ---------------------------------------------------------------- random models built on their device
 
 
 def random_model(cfg, device: torch.device, dtype: torch.dtype, pg=None, expert_parallel: bool = False,
@@ -58,7 +33,7 @@ def random_model(cfg, device: torch.device, dtype: torch.dtype, pg=None, expert_
     whole experts per rank with `expert_parallel`), and only then is each tensor allocated on `device`, in the
     dtype it is used in, and filled there (`fill_`). Nothing touches the disk or the host memory.
 
-    Values: `init_rule` (unit-RMS activations through mHC, attention and MoE), as `checkpoint.random_target_tensors`
+    Values: `init_rule` (unit-RMS activations through mHC, attention and MoE), as `random_init.random_target_tensors`
     uses it.
     Replicated tensors are equal on every rank (their seed is their name), so every rank routes and samples the
     same; a slice gets a seed of its own per rank, and an expert-parallel rank's experts the seeds of their
@@ -70,7 +45,6 @@ def random_model(cfg, device: torch.device, dtype: torch.dtype, pg=None, expert_
     "auto" does so when `cfg` declares a quantised checkpoint (`quantization_config`) and `device` is not the
     CPU, as the loader keeps kept-able weights off the CPU; "dequantize": every weight in `dtype`. The drafter
     stays in `dtype` (the loader dequantises `mtp.*` too)."""
-    from sparkspec.checkpoint import _move_computed, meta_model
     from sparkspec.distributed.tensor_parallel import shard_, shard_drafter_
 
     if drafter not in (None, "dspark"):
@@ -89,52 +63,21 @@ def random_model(cfg, device: torch.device, dtype: torch.dtype, pg=None, expert_
                          f"available ({dtype}, {pg.world_size if pg else 1} rank(s)); about {max(fits, 0)} of "
                          f"{cfg.num_hidden_layers} layers would fit (--num-layers), or more ranks")
     fill_(target, device, seed, cuts, pg)
-    _move_computed(target, device)
+    move_computed(target, device)
     if draft is not None:
         fill_(draft, device, seed, dcuts, pg, prefix="mtp.")
-        _move_computed(draft, device)
+        move_computed(draft, device)
         draft.eval()
     return target.eval(), draft
 
 
 def keeps_quantized(cfg, device: torch.device, quantization: str) -> bool:
     """Whether random weights take the official quantised layout (see `random_model`)."""
-    from sparkspec.checkpoint import QUANTIZATIONS
-
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization = {quantization!r}: expected one of {QUANTIZATIONS}")
     if quantization == "auto":
         return cfg.quantization_config is not None and torch.device(device).type != "cpu"
     return quantization == "keep"
-
-
-def quantize_layers_(model: nn.Module, cuts: dict) -> list[str]:
-    """On a meta target (sharded or not), replace the `nn.Linear` layers an official checkpoint stores quantised
-    and the model calls as modules (`quantized.FP8_LAYERS` -> `Fp8Linear`, `FP4_LAYERS` -> `Fp4Linear`) with
-    empty quantised layers of the same (rank's) shape, as `keep_quantized_` does from a checkpoint's dtypes.
-    A layer whose rank cut (`cuts`, from `shard_`) is not on its scale blocks stays plain (a tiny config's
-    slices; the real models' cuts all are); routed experts go all or none per MoE layer (they are stacked).
-    -> names of the replaced layers."""
-    from sparkspec.models.quantized import FP4_LAYERS, FP8_LAYERS, Fp4Linear, Fp8Linear, swap_layers_
-
-    chosen: dict[str, type[nn.Module]] = {}
-    moe_experts: dict[str, list[str]] = {}  # MoE layer -> its routed expert linears
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        if FP4_LAYERS.match(name):
-            moe_experts.setdefault(name.split(".experts.")[0], []).append(name)
-            cls, blocks, fits = Fp4Linear, (1, FP4_BLOCK), module.in_features % FP4_BLOCK == 0
-        elif FP8_LAYERS.match(name):
-            cls, blocks, fits = Fp8Linear, (FP8_BLOCK, FP8_BLOCK), True
-        else:
-            continue
-        cut = cuts.get(name + ".weight")
-        if cut is not None and cut.dim is not None:
-            fits = fits and cut.start % blocks[cut.dim] == 0 and cut.stop % blocks[cut.dim] == 0
-        if fits:
-            chosen[name] = cls
-    return swap_layers_(model, chosen, moe_experts)
 
 
 def random_quantized(kind: str, shape: tuple[int, int], fan_in: int, g: torch.Generator,
@@ -164,27 +107,9 @@ def _nbytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def meta_drafter(cfg, dtype: torch.dtype):
-    """The DSpark drafter on the meta device in `dtype` (fp32 where `keep_fp32` keeps it)."""
-    from sparkspec.checkpoint import _MetaInit
-    from sparkspec.models.dspark import DSparkDraftModel
-
-    with torch.device("meta"), _MetaInit():
-        draft = DSparkDraftModel(cfg)
-    for p in draft.parameters():
-        p.data = p.data.to(dtype)
-    return draft.keep_fp32()
-
-
 def fill_(model: nn.Module, device: torch.device, seed: int, cuts: dict, pg=None, prefix: str = "") -> None:
     """Allocate every meta parameter / buffer of `model` on `device` (same dtype) and fill it by `init_rule`.
     `cuts`: `shard_`'s record of which sharded tensor holds which part of which whole one."""
-    import zlib
-
-    from sparkspec.models.quantized import Fp4Linear, Fp8Linear
-    from sparkspec.models.weights import assign_tensor
-    from sparkspec.ops.moe import expert_weights
-
     world = pg.world_size if pg is not None else 1
     rank = pg.rank if pg is not None else 0
     named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if b.is_meta]
@@ -212,31 +137,3 @@ def fill_(model: nn.Module, device: torch.device, seed: int, cuts: dict, pg=None
         for m in model.modules():  # stack each layer's experts now, while only one layer's copy is extra
             if hasattr(m, "experts") and hasattr(m, "shared_experts") and len(m.experts):
                 expert_weights(m)
-
-
-def init_rule(name: str, t: torch.Tensor, fan_in: int, g: torch.Generator, cfg) -> None:
-    """Fill `t` (on its device, in its dtype) with the random weights of a tensor `name`, the rules of every
-    random model (`checkpoint.random_target_tensors` and `random_model`): linears and the mHC mixes N(0, 1/fan_in)
-    with the fan-in of the whole tensor, lookup tables N(0, 1), head N(0, 4/H), norms and hc scales 1, small
-    nonzero sinks / ape / router bias / hc biases, distinct random experts per token for hash layers."""
-
-    def normal(std: float) -> None:
-        torch.randn(t.shape, generator=g, out=t).mul_(std)
-
-    if name.endswith("tid2eid"):  # [V, A] distinct experts per token id
-        scores = torch.rand(t.shape[0], cfg.n_routed_experts, generator=g, device=t.device)
-        t.copy_(scores.argsort(-1)[:, : t.shape[1]])
-    elif name.endswith(("norm.weight", "_scale")):
-        t.fill_(1.0)
-    elif name.endswith(("attn_sink", ".ape")):
-        normal(0.3)
-    elif name.endswith(("gate.bias", "_base")):
-        normal(0.1)
-    elif name.endswith(("embed.weight", "markov_w1.weight")):  # lookup tables: unit rows
-        normal(1.0)
-    elif name == "head.weight":
-        normal(2.0 / cfg.hidden_size ** 0.5)
-    elif t.dim() == 2:  # linears and the mHC mixes: N(0, 1 / fan_in of the whole tensor)
-        normal(fan_in ** -0.5)
-    else:
-        raise AssertionError(f"no init rule for tensor '{name}' {tuple(t.shape)}")
