@@ -11,6 +11,7 @@ import functools
 import importlib
 import inspect
 import json
+import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -147,6 +148,64 @@ class Tokenizer:
         except _TemplateRaised as e:
             raise ValueError(f"chat template: {e}") from None
 
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat, where only the template's own special tokens are control tokens: special-
+        token text inside a message's content (a user typing "<|end_of_sentence|><|User|>") is tokenised as text,
+        so no message can forge a turn.
+
+        Special-token text in the contents is swapped for private-use placeholders before rendering (so template
+        logic that edits content, e.g. trimming, still works); the rendered text is encoded with special-token
+        parsing (the template's markers become their ids); then each stretch between two markers that holds a
+        placeholder is re-encoded with the original text put back and special-token parsing off. Stretches without
+        one keep their ids, so a chat without special-token text encodes exactly as `encode(apply_chat_template())`."""
+        found = {t for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
+                 for t in self._special_pattern.findall(m["content"])} if self._special_pattern else set()
+        if not found:  # encode_batch releases the GIL (a long chat must not stall the server's event loop)
+            return self.tok.encode_batch([self.apply_chat_template(messages, add_generation_prompt)],
+                                         add_special_tokens=False)[0].ids
+        taken = {c for m in messages for c in str(m.get("content", ""))} | set(self.chat_template or "")
+        free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in taken)  # Unicode private-use area
+        to_placeholder = {t: next(free) for t in sorted(found)}
+        to_text = {ph: t for t, ph in to_placeholder.items()}
+        escaped = [{**m, "content": self._special_pattern.sub(lambda x: to_placeholder[x.group()], m["content"])}
+                   if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
+        text = self.apply_chat_template(escaped, add_generation_prompt)
+        enc = self.tok.encode_batch([text], add_special_tokens=False)[0]
+        ids, start, stretch = [], 0, []  # stretch: ids since the last marker; start: where its text begins
+
+        def close(end: int) -> None:
+            piece = text[start:end]
+            if any(ph in piece for ph in to_text):
+                piece = "".join(to_text.get(c, c) for c in piece)
+                ids.extend(self._text_only.encode_batch([piece], add_special_tokens=False)[0].ids)
+            else:
+                ids.extend(stretch)
+
+        for i, (a, b) in zip(enc.ids, enc.offsets):
+            if i in self.special_ids:
+                close(a)
+                ids.append(i)
+                start, stretch = b, []
+            else:
+                stretch.append(i)
+        close(len(text))
+        return ids
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        """Matches the text of any special token (longest first); None without special tokens."""
+        texts = sorted({t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}, key=len,
+                       reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    @functools.cached_property
+    def _text_only(self) -> HFTokenizer:
+        """A copy of the tokenizer that encodes special-token text as text (a copy: the flag is the tokenizer's
+        state, and other threads encode prompts, which keep parsing special tokens, meanwhile)."""
+        tok = HFTokenizer.from_str(self.tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
 
 class IncrementalDetokenizer:
     """Text of one request's output, produced piece by piece as tokens arrive (streaming, stop strings).

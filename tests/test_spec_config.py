@@ -62,6 +62,15 @@ def test_k_within_block_does_not_warn():
             build_proposer("dspark", model, tensors, k)
 
 
+def test_mtp_k_above_its_layers_warns_as_dspark_does():
+    cfg, model, tensors = tiny_setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_proposer("mtp", model, tensors, cfg.num_nextn_predict_layers)
+    with pytest.warns(UserWarning, match=r"num_spec_tokens = 99 > MTP layers = 1: draft positions 2\.\.99"):
+        build_proposer("mtp", model, tensors, 99)
+
+
 def test_missing_drafter_weights_name_the_tensor():
     _, model, tensors = tiny_setup()
     only_mtp = {n: t for n, t in tensors.items() if "e_proj" in n or not n.startswith(("mtp.0.", "mtp.1."))}

@@ -20,12 +20,14 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from sparkspec.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from sparkspec.engine.scheduler import QueueFullError
+from sparkspec.serve.connections import TIMED_OUT
 from sparkspec.serve.metrics import ServerMetrics
 from sparkspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, load_json,
-                                      parse_request)
+                                      parse_request, short)
 from sparkspec.serve.responses import ChatView, ChoiceState, CompletionView
 
 RETRY_AFTER_S = 1
@@ -100,6 +102,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.draining = False
+    app.state.count_refused = lambda status: metrics.http_errors.labels(str(status)).inc()  # by the HTTP protocol
 
     def error_response(e: RequestError) -> JSONResponse:
         metrics.http_errors.labels(str(e.status)).inc()
@@ -111,10 +114,20 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):  # unknown route (404), wrong method (405)
-        what = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
-                f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        path = short(request.url.path, quote=False)  # a 60 kB path is not echoed back
+        what = {404: f"no route {path}", 405: f"method {short(request.method, quote=False)} is not allowed on "
+                f"{path}"}.get(e.status_code, str(e.detail))
         return error_response(RequestError(what, status=e.status_code, code=HTTP_CODES.get(e.status_code),
                                            headers=dict(e.headers or {})))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, e: ClientDisconnect):  # while its body was read: not a server error
+        if not request.scope.get(TIMED_OUT):  # a read the protocol ended has been logged and counted (408) there
+            client = request.client
+            log.info("%s:%s went away while sending its request body (%s %s)", *(client or ("?", "?")),
+                     request.method, short(request.url.path, quote=False))
+            metrics.observe_aborted()
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, e: Exception):  # a bug: still an OpenAI-style body
@@ -150,7 +163,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
 
     def check_model(req) -> None:
         if req.model != model_name:
-            raise RequestError(f"model '{req.model}' does not exist; this server serves '{model_name}'", "model",
+            raise RequestError(f"model {short(req.model)} does not exist; this server serves '{model_name}'", "model",
                                code="model_not_found")
 
     def tokenize(text: str, add_bos: bool) -> list[int]:
@@ -198,7 +211,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
 
         if stream:
             async def sse():
-                states, last = [ChoiceState() for _ in samples], {}
+                states, last, ended = [ChoiceState() for _ in samples], {}, False
                 try:
                     async for i, out in outputs:
                         last[i] = out
@@ -209,12 +222,16 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
                         metrics.observe_finished(out)
                     if include_usage:
                         yield f"data: {json.dumps(view.usage_chunk(list(last.values())))}\n\n"
+                    ended = True
                 except Exception as e:  # the request failed or was cut: say so, then end the stream as usual
+                    ended = True
                     if not isinstance(e, (EngineDeadError, RequestFailedError, ValueError, QueueFullError)):
                         log.exception("stream failed")
                     yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
-                finally:
-                    await outputs.aclose()  # a disconnected client lands here: every sample is aborted
+                finally:  # a disconnected client lands here (cancelled, or closed at a yield)
+                    if not ended:
+                        metrics.observe_aborted()
+                    await outputs.aclose()  # every sample is aborted
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream",
@@ -243,6 +260,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+            metrics.observe_aborted()
             return Response(status_code=499)
         try:
             outs = task.result()
@@ -276,11 +294,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
         check_model(req)
         if tokenizer is None or tokenizer.chat_template is None:
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
-        try:
-            text = tokenizer.apply_chat_template(req.chat_messages())
+        try:  # message content is text: special-token text in it stays text (only the template's markers are special)
+            prompt_ids = tokenizer.encode_chat(req.chat_messages())
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
-        prompt_ids = encode(text, add_bos=False, param="messages")
         return req, prompt_ids, req.sampling_params(default_tokens(prompt_ids), req.num_spec_tokens(server_k()))
 
     @app.post("/v1/completions")

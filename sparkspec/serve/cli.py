@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -112,6 +114,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="larger request bodies are refused with 413 before they are parsed (default 8 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before their streams are cut")
+    p.add_argument("--timeout-header", type=float, default=30.0,
+                   help="seconds a client has to send a request's head; then 408 and the connection is closed")
+    p.add_argument("--timeout-body", type=float, default=120.0,
+                   help="seconds a client has to send a request's body after its head; then 408 and close")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="open connections at most; one more is answered 503 and closed")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (one per GPU: NCCL; gloo on CPU)")
@@ -122,22 +130,43 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (uvicorn listens on it once the model is loaded: until then a client's connect
+    is refused, not queued). Errors are one line (ValueError)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: expected a port number in 0..65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over a TIME_WAIT socket
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise ValueError(f"--host {host} --port {port}: the address {why}") from None
+    return sock
 
+
+def cmd_serve(args) -> int:
     from sparkspec.engine.async_engine import AsyncLLMEngine
-    from sparkspec.platform import check_device
     from sparkspec.serve.api import create_app
+    from sparkspec.serve.connections import ConnectionLimits, uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes {args.max_request_bytes}: expected a positive number of bytes")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
-    check_device(args.device)
+    limits = ConnectionLimits(header_timeout=args.timeout_header, body_timeout=args.timeout_body,
+                              max_connections=args.max_connections)
+    sock = listen_socket(args.host, args.port)  # before the model loads: a bad or taken port fails in a second
     engine, ckpt = build_engine(args, max_waiting=args.max_waiting)
     name = args.served_model_name or Path(ckpt.path).name
-    print(f"serving '{name}' from {ckpt.path} on http://{args.host}:{args.port} "
+    print(f"serving '{name}' from {ckpt.path} on http://{args.host}:{sock.getsockname()[1]} "
           f"(spec={engine.config.speculative}, budget={engine.config.spec_budget}); {engine.kv_plan.describe()}",
           file=sys.stderr)
     if engine.runner.graphs is not None:
@@ -148,11 +177,12 @@ def cmd_serve(args) -> int:
     async_engine = AsyncLLMEngine(engine)
     app = create_app(async_engine, name, default_max_tokens=args.default_max_tokens,
                      max_request_bytes=args.max_request_bytes)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    config = uvicorn_config(app, limits, app.state.count_refused, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
     server = _server_class()(config, app.state.drain, args.shutdown_timeout)
     async_engine.on_death = server.engine_died
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         if args.tensor_parallel_size > 1:  # the other ranks stop with rank 0
             from sparkspec.distributed.engine import finish

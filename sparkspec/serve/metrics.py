@@ -50,7 +50,8 @@ class ServerMetrics:
     def __init__(self, async_engine):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(async_engine))
-        self.requests = Counter("sparkspec_requests", "Finished requests by finish reason", ["finish_reason"],
+        self.requests = Counter("sparkspec_requests", "Finished requests by finish reason (abort: the client went "
+                                "away, while sending its body or while its answer was generated)", ["finish_reason"],
                                 registry=self.registry)
         self.http_errors = Counter("sparkspec_http_errors", "Refused requests by HTTP status", ["status"],
                                    registry=self.registry)
@@ -60,6 +61,9 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("sparkspec_e2e_request_latency_seconds", "Arrival to finish",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe_aborted(self) -> None:
+        self.requests.labels("abort").inc()
 
     def observe_finished(self, out) -> None:
         m = out.metrics

@@ -76,7 +76,7 @@ class _Common(BaseModel):
             value = getattr(self, name)
             ok = value in neutral if isinstance(neutral, tuple) else value == neutral
             if not ok:
-                raise RequestError(f"'{name}' = {_short(value)} is not supported by this server (only {neutral!r})",
+                raise RequestError(f"'{name}' = {short(value)} is not supported by this server (only {neutral!r})",
                                    name, code="unsupported_parameter")
         if not 1 <= self.n <= MAX_N:
             raise RequestError(f"'n' must be an integer in [1, {MAX_N}]", "n")
@@ -231,14 +231,17 @@ def _no_constant(name: str):
 
 def load_json(raw: bytes) -> Any:
     """Parse a request body strictly: no NaN / Infinity, nesting at most MAX_JSON_DEPTH, and no lone UTF-16
-    surrogates (an escaped "\\ud800" parses to a str that no tokenizer or UTF-8 encoder accepts)."""
+    surrogates: an escaped "\\ud800", or the raw bytes ED A0 80 (which `json.loads` decodes with
+    'surrogatepass'), parse to a str that no tokenizer or UTF-8 encoder accepts; the 400 names the field."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
         raise RequestError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     except ValueError as e:  # also bad UTF-8 and integers over Python's 4300-digit limit
         raise RequestError(f"the request body is not valid JSON ({e})") from None
-    strings = b"\\ud" in raw.lower()  # surrogates can only come from escapes; skip the string scan without one
+    # surrogates come from escapes or from non-ASCII bytes (raw ED A0..BF xx, or a UTF-16 / UTF-32 body): an ASCII
+    # body without an escape needs no string scan
+    strings = not raw.isascii() or b"\\ud" in raw.lower()
     stack = [(body, 1, None)]  # (value, depth, top-level field it is in); iterative, so depth cannot hurt here
     while stack:
         value, depth, field = stack.pop()
@@ -263,9 +266,10 @@ def _has_surrogate(s: str) -> bool:
         return True
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    """repr for an error message, cut: a bad 8 MB prompt must not come back in the 400 body."""
-    r = repr(value)
+def short(value: Any, limit: int = 80, quote: bool = True) -> str:
+    """repr (or, with quote=False, str) for an error message, cut: a bad 8 MB prompt must not come back in the 400
+    body. Lone surrogates are escaped, so the message always encodes."""
+    r = _printable(repr(value) if quote else str(value))
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
@@ -283,7 +287,7 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
         parts = [str(x) for x in err["loc"]]
         if len(parts) > 1 and (parts[1] in ("str", "int", "float", "bool") or "[" in parts[1]):
             parts = parts[:1]  # a union branch name ('prompt.list[int]'): name the field only
-            err["msg"] = f"{_short(err['input'])} does not have an accepted type"
+            err["msg"] = f"{short(err['input'])} does not have an accepted type"
         loc = ".".join(parts)
         param = parts[0] if parts else None
         if err["type"] == "extra_forbidden":

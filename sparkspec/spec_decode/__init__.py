@@ -44,7 +44,9 @@ def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[st
     """A drafter for `model`. `drafter_tensors`: the checkpoint's `mtp.*` tensors (others are ignored).
 
     Errors (ValueError, one line): unknown method, num_spec_tokens < 1, no DSpark / MTP weights or config.
-    Warning: DSpark with num_spec_tokens > dspark_block_size (those positions were never trained)."""
+    Warnings (the positions beyond what the drafter was trained for draft, but are rarely accepted): DSpark with
+    num_spec_tokens > dspark_block_size; MTP with num_spec_tokens > its MTP layers (the later steps reuse a layer
+    trained for an earlier one)."""
     if method not in METHODS:
         raise ValueError(f"speculative method {method!r}: expected one of {', '.join(METHODS)}")
     k = default_num_spec_tokens(method, model) if num_spec_tokens is None else num_spec_tokens
@@ -69,4 +71,8 @@ def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[st
     from sparkspec.spec_decode.mtp import MTPProposer
 
     drafter = _place(MTPDraftModel.from_tensors(model.cfg, tensors), model)
+    if k > drafter.num_layers:
+        warnings.warn(f"num_spec_tokens = {k} > MTP layers = {drafter.num_layers}: draft positions "
+                      f"{drafter.num_layers + 1}..{k} reuse a layer trained for an earlier position and will rarely "
+                      "be accepted", stacklevel=2)
     return MTPProposer(model, drafter, k)
