@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 SEED_MIN, SEED_END = -(2**63), 2**64  # the range torch.Generator.manual_seed accepts (int64 or uint64)
 MAX_N = 16  # samples per request
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit)
+# Below this temperature a request is greedy (vLLM's bound): logits / T must stay finite in fp32, where the
+# sampler divides (at T = 1e-40, T is denormal and any logit above ~3.4e-2 overflows to inf, and the softmax is NaN)
+MIN_TEMPERATURE = 1e-5
 
 
 def _count(value, name: str, low: int, high: int | None = None) -> None:
@@ -33,10 +36,13 @@ class SamplingParams:
     `logprobs`: N -> the log-probability of every generated token plus the N most likely alternatives
     (0: the token's only); `prompt_logprobs`: N -> the same for prompt tokens 1.. (token 0 has none);
     `num_spec_tokens`: most drafts verified per step for this request (None: the engine's; 0: no speculation).
-    `max_tokens` may be 0 (the prompt is only scored, e.g. for `prompt_logprobs`)."""
+    `max_tokens` may be 0 (the prompt is only scored, e.g. for `prompt_logprobs`).
+
+    `temperature`: any value >= 0 is served; below `MIN_TEMPERATURE` (1e-5, as in vLLM) the request is greedy,
+    exactly as at 0 (the argmax; top_k / top_p do not apply), since a smaller T overflows `logits / T` in fp32."""
 
     max_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below MIN_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0  # <= 0 disables
     seed: int | None = None
@@ -74,7 +80,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def device_temperature(self) -> float:
+        """The temperature packed for the device: 0 for a greedy request, so host and device agree on it."""
+        return 0.0 if self.greedy else float(self.temperature)
 
     def samples(self) -> list[SamplingParams]:
         """One n = 1 copy per sample; with a seed, sample i gets `sample_seed(seed, i)`."""

@@ -235,9 +235,19 @@ def draft_chain(Q, first, seeds, pos, K):
 
 
 def spec_step(P, Q, one_hot, first, st, pos, n_drafts):
-    """One verification step with target P and drafter Q (one-hot: drafts are Q's argmax, probs None)."""
+    """One verification step with target P and drafter Q (one-hot: drafts are Q's argmax, probs None; a Q with
+    NaN rows: drafts as the device drafters make them, `sample_draft` of the logits log Q)."""
     K = int(n_drafts.max())
-    if one_hot:  # a deterministic drafter
+    if Q.isnan().any():
+        from sparkspec.ops.sampling import sample_draft
+
+        ids, probs, prev = [], [], first
+        for i in range(K):
+            prev, q = sample_draft(Q[prev].log(), st, pos + i, STREAM_DRAFT)
+            ids.append(prev)
+            probs.append(q)
+        ids, q = torch.stack(ids, 1), torch.stack(probs, 1)
+    elif one_hot:  # a deterministic drafter
         ids, prev = [], first
         for _ in range(K):
             prev = Q[prev].argmax(-1)
@@ -255,6 +265,7 @@ DRAFTERS = {  # name: (drafter chain Q, one-hot: drafts are argmax Q and draft_p
     "bad": ("bad", False),
     "one_hot": ("bad", True),
     "one_hot_good": ("target", True),
+    "broken": ("broken", False),  # NaN after tokens 0 and 3: those drafts become one-hot fallbacks
 }
 
 
@@ -267,7 +278,8 @@ def test_rejection_sampler_preserves_target_distribution(drafter, params):
     logits_P = markov(V, 1, 1.5).log()
     st = SamplingTensors.from_params([params] * N, DEVICE, list(range(N)))
     P = process_logits(logits_P, st.temperature[:V], st.top_k[:V], st.top_p[:V])  # processed target
-    Q = {"good": 0.8 * P + 0.2 / V, "bad": markov(V, 2, 2.0), "target": P}[kind]
+    Q = {"good": 0.8 * P + 0.2 / V, "bad": markov(V, 2, 2.0), "target": P,
+         "broken": markov(V, 2, 2.0).index_fill(0, torch.tensor([0, 3], device=DEVICE), float("nan"))}[kind]
     pos = seeds_of(N) % 50 + 10
     n_drafts = seeds_of(N) % (K + 1)  # 0..K drafts: plain rows, partial and full acceptance
     first = torch.full((N,), b, device=DEVICE)
@@ -400,4 +412,159 @@ def test_no_host_sync():
         RejectionSampler()(logits, drafts, None, st, pos)
         greedy = SamplingTensors.from_params([SP()] * len(params), DEVICE, seeds)
         RejectionSampler()(logits, drafts, None, greedy, pos)
+    assert len(log.ops) > 50 and syncs(log) == []
+
+
+# ---------------------------------------------------------------- tiny temperatures and rows that are not finite
+
+TINY_TEMPERATURES = [1e-45, 1e-40, 1e-38, 1e-30, 1e-6]  # fp32: denormal, denormal, normal, normal, normal
+EDGE_FILTERS = [dict(), dict(top_k=1), dict(top_k=-1), dict(top_k=2**63 - 1), dict(top_p=5e-324), dict(top_p=1e-300),
+                dict(top_p=1.0, top_k=7), dict(top_p=0.5, top_k=2)]
+
+
+def test_tiny_temperatures_are_greedy_on_host_and_device():
+    from sparkspec.sampling_params import MIN_TEMPERATURE
+
+    assert MIN_TEMPERATURE == 1e-5 and not SP(temperature=MIN_TEMPERATURE).greedy
+    params = [SP(temperature=t, **f) for t in TINY_TEMPERATURES for f in EDGE_FILTERS]
+    assert all(p.greedy and p.device_temperature == 0.0 for p in params)
+    st = SamplingTensors.from_params(params, DEVICE, list(range(len(params))))
+    assert st.all_greedy and not st.any_top_k and not st.any_top_p and (st.temperature == 0).all()
+    # a direct caller handing the raw temperatures to the device gets greedy rows too
+    V = 32
+    logits = torch.randn(len(params), V, generator=torch.Generator().manual_seed(4)).to(DEVICE) * 30
+    raw = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=DEVICE)
+    assert (raw > 0).all()  # none of them rounds to fp32 zero: the denormals are what used to overflow
+    top_k = torch.tensor([p.top_k for p in params], device=DEVICE)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=DEVICE)
+    probs = process_logits(logits, raw, top_k, top_p)
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), V).float())
+    direct = SamplingTensors(raw, top_k, top_p, st.seeds, False, True, True)
+    assert torch.equal(sample_tokens(logits, direct, seeds_of(len(params))), logits.argmax(-1))
+
+
+def test_tiny_temperatures_verify_like_greedy():
+    """Tiny-T rows among sampled rows, through the sampled path of the rejection sampler: greedy verification."""
+    drafts, want_L, want = GREEDY_CASES["mismatch_at_2"]
+    params = [SP(temperature=1.0)] + [SP(temperature=t, **f) for t in TINY_TEMPERATURES for f in EDGE_FILTERS[:3]]
+    R = len(params)
+    st = SamplingTensors.from_params(params, DEVICE, list(range(R)))
+    assert not st.all_greedy
+    q = torch.full((R, 4, 8), 1 / 8, device=DEVICE)
+    out, L, ok = RejectionSampler().verify(greedy_logits(R), torch.tensor([drafts] * R, device=DEVICE), q, st,
+                                           seeds_of(R, 9))
+    assert ok.all() and L[1:].tolist() == [want_L] * (R - 1) and out[1:].tolist() == [want] * (R - 1)
+
+
+def test_filters_at_their_edges_give_the_argmax():
+    """top_k = 1, and top_p below any probability, keep only the most likely token at any temperature."""
+    V = 32
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    for f in (dict(top_k=1), dict(top_p=5e-324), dict(top_p=1e-300), dict(top_p=1e-30, top_k=3)):
+        params = [SP(temperature=t, **f) for t in (1e-5, 0.5, 1.0, 2.0, 1.0, 1.0)]
+        st = SamplingTensors.from_params(params, DEVICE, list(range(6)))
+        assert torch.equal(sample_tokens(logits, st, seeds_of(6, 3)), logits.argmax(-1)), f
+
+
+def bad_rows(V: int = 8) -> tuple[torch.Tensor, list[bool]]:
+    """[6, V] logits: fine, NaN, +inf, all -inf, -inf but one finite, finite but 3e38 (overflows / T at T = 0.5)
+    -> (logits, whether each row is finite at temperature 0.5)."""
+    x = torch.randn(6, V, generator=torch.Generator().manual_seed(2))
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    x[3] = float("-inf")
+    x[4] = float("-inf")
+    x[4, 6] = 1.0
+    x[5, 2] = 3e38
+    return x.to(DEVICE), [True, False, False, False, True, False]
+
+
+def test_is_finite_dist_names_every_kind_of_broken_row():
+    from sparkspec.ops.sampling import is_finite_dist, probs_for
+
+    x, want = bad_rows()
+    st = SamplingTensors.from_params([SP(temperature=0.5)] * 6, DEVICE, list(range(6)))
+    assert is_finite_dist(x, probs_for(x, st)).tolist() == want
+    assert is_finite_dist(x).tolist() == [True, False, False, False, True, True]  # greedy: 3e38 is a fine argmax
+
+
+def test_inverse_cdf_stays_in_range_on_broken_rows():
+    from sparkspec.ops.sampling import inverse_cdf
+
+    V = 8
+    probs = torch.stack([torch.zeros(V), torch.full((V,), float("nan")), torch.full((V,), float("inf")),
+                         torch.softmax(torch.randn(V), 0)]).to(DEVICE)
+    for u in (1e-12, 0.5, 1 - 1e-12):
+        ids = inverse_cdf(probs, torch.full((4,), u, dtype=torch.float64, device=DEVICE))
+        assert ((ids >= 0) & (ids < V)).all()
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_rows_that_are_not_finite_are_flagged_alone(greedy, with_probs):
+    """Bad rows (column L of a request) are flagged, every id is in range, and the good rows are what they are
+    in a batch without the bad ones."""
+    V, K = 8, 4
+    x, finite = bad_rows(V)
+    R = 6
+    T = 0.0 if greedy else 0.5
+    st = SamplingTensors.from_params([SP(temperature=T)] * R, DEVICE, [7 * r for r in range(R)])
+    logits = greedy_logits(R, V) * 0.3
+    logits[:, 0] = x  # column 0: the pending token's row; drafts cannot get past a bad one
+    drafts = torch.tensor([[3, 1, 4, 1]] * R, device=DEVICE)
+    q = torch.softmax(torch.randn(R, K, V, generator=torch.Generator().manual_seed(1)), -1).to(DEVICE) \
+        if with_probs else None
+    pos = seeds_of(R, 11)
+    out, L, ok = RejectionSampler().verify(logits, drafts, q, st, pos)
+    want = [True, False, False, False, True, True] if greedy else finite
+    assert ok.tolist() == want
+    assert ((out >= -1) & (out < V)).all()
+    assert all(int(L[r]) == 0 for r in range(R) if not want[r])  # never accepted past a broken row
+    good = [r for r in range(R) if want[r]]
+    alone = SamplingTensors.from_params([SP(temperature=T)] * len(good), DEVICE, [7 * r for r in good])
+    o, l, k = RejectionSampler().verify(logits[good], drafts[good], None if q is None else q[good], alone, pos[good])
+    assert k.all() and torch.equal(o, out[good]) and torch.equal(l, L[good])
+
+
+def test_a_broken_row_past_the_rejection_is_never_looked_at():
+    """A NaN at a row after the first rejected draft does not fail the request (plain decoding never sees it);
+    a NaN at the row that emits does."""
+    st = SamplingTensors.from_params([SP()] * 2, DEVICE, [0, 1])
+    logits = greedy_logits(2)
+    logits[:, 3] = float("nan")
+    drafts = torch.tensor([[3, 0, 4, 1], [3, 1, 4, 1]], device=DEVICE)  # request 0 rejects at column 1
+    out, L, ok = RejectionSampler().verify(logits, drafts, None, st, seeds_of(2))
+    assert L.tolist() == [1, 3] and ok.tolist() == [True, False]
+    assert out[0].tolist() == [3, 1, -1, -1, -1]
+    assert out[1, :3].tolist() == [3, 1, 4] and 0 <= int(out[1, 3]) < 8 and int(out[1, 4]) == -1
+
+
+def test_sample_draft_replaces_broken_rows_by_a_one_hot_draft():
+    from sparkspec.ops.sampling import probs_for, sample_draft
+
+    V = 8
+    x, finite = bad_rows(V)
+    st = SamplingTensors.from_params([SP(temperature=0.5, seed=3)] * 6, DEVICE)
+    offsets = seeds_of(6, 20)
+    ids, q = sample_draft(x, st, offsets, STREAM_DRAFT)
+    assert ((ids >= 0) & (ids < V)).all() and torch.isfinite(q).all()
+    assert torch.allclose(q.sum(-1), torch.ones(6, device=DEVICE))
+    for r in range(6):
+        if finite[r]:  # untouched: the draw and q of the row's own distribution
+            assert int(ids[r]) == int(sample(probs_for(x, st), st.seeds, offsets, STREAM_DRAFT)[r])
+            assert torch.equal(q[r], probs_for(x, st)[r])
+        else:  # deterministic: the argmax of the row's non-NaN logits, with q one-hot on it
+            assert int(ids[r]) == int(x[r].nan_to_num(float("-inf")).argmax()) and float(q[r, ids[r]]) == 1.0
+
+
+def test_finiteness_checks_add_no_host_sync():
+    from sparkspec.ops.sampling import sample_draft
+
+    params, seeds, logits, drafts, q = mixed_batch()
+    st = SamplingTensors.from_params(params, DEVICE, seeds)
+    pos = seeds_of(len(params), 3)
+    logits[2, 1] = float("nan")
+    with OpLog() as log:
+        RejectionSampler().verify(logits, drafts, q, st, pos)
+        sample_draft(logits[:, 0], st, pos, STREAM_DRAFT)
     assert len(log.ops) > 50 and syncs(log) == []

@@ -5,10 +5,14 @@ back to the event loop with `call_soon_threadsafe`. Validation (`check`) runs in
 refused before it is queued and can never disturb other requests. A stream that is closed early (client
 disconnect, cancellation) aborts its request, which frees its KV blocks on the next engine iteration.
 
-No single request may take the engine down: if `engine.step()` raises, only the requests of that step fail
-(RequestFailedError; they are aborted, so their blocks are freed) and the loop carries on. If the loop itself
-dies (a bug outside step, or steps that keep failing whatever they hold), `on_death` is called so that the
-server can exit non-zero and be restarted, instead of living on and answering only 503.
+No single request may take the engine down. A request whose own row fails inside a step that otherwise commits
+(its distribution is not finite: `RequestOutput.error`) gets RequestFailedError with that reason, and nothing
+else notices: such a failure is attributable to the request and never counts towards stopping the engine. If
+`engine.step()` raises, only the requests of that step fail (RequestFailedError; they are aborted, so their
+blocks are freed) and the loop carries on; MAX_CONSECUTIVE_STEP_FAILURES such steps in a row (a step that
+returns resets the count) mean the engine is broken. If the loop itself dies (a bug outside step, or steps
+that keep failing whatever they hold), `on_death` is called so that the server can exit non-zero and be
+restarted, instead of living on and answering only 503.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine step that held this request raised; the request was aborted (HTTP 500)."""
+    """This request failed: its own row in a step (the message names the cause), or the engine step that held
+    it raised; the request was aborted or finished (HTTP 500), the others were not."""
 
 
 class AsyncLLMEngine:
@@ -184,9 +189,13 @@ class AsyncLLMEngine:
                 except Exception as e:
                     self._fail_step(held, e)
                     continue
-                self._failures_in_a_row = 0
+                self._failures_in_a_row = 0  # the step committed (failures of single rows included)
                 for out in outputs:
-                    self._deliver(out.request_id, out)
+                    if out.finish_reason == "error":
+                        log.warning("request %s failed: %s", out.request_id, out.error)
+                        self._deliver(out.request_id, RequestFailedError(out.error or "the request failed"))
+                    else:
+                        self._deliver(out.request_id, out)
         except BaseException as e:  # a bug: fail every open stream instead of hanging it, then tell the server
             log.exception("engine thread crashed")
             self.error = e

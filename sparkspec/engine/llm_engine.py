@@ -52,6 +52,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # [len(prompt)], None first, once all are scored
     outputs: list[CompletionOutput] = field(default_factory=list)
     token_sources: list[int] = field(default_factory=list)  # [len(token_ids)] `TokenSource` of each output token
+    error: str | None = None  # why the request failed (finish_reason "error"); its other requests were unaffected
 
 
 @dataclass
@@ -61,6 +62,7 @@ class EngineStats:
     num_requests: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    num_failed: int = 0  # finished with "error": their own row failed (e.g. a distribution that is not finite)
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
@@ -125,6 +127,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._max_stop_len: dict[str, int] = {}
+        self._errors: dict[str, str] = {}  # request id -> why it failed, until its final output is emitted
         self._rng = random.Random()
 
     # ---- requests ----
@@ -181,6 +184,7 @@ class LLMEngine:
         if seq is None:
             return False
         self._max_stop_len.pop(request_id, None)
+        self._errors.pop(request_id, None)
         if not seq.is_finished:
             self.stats.num_aborted += 1
         self.scheduler.abort(seq)
@@ -221,6 +225,9 @@ class LLMEngine:
             row = result.rows.get(i)
             if row is None:
                 continue
+            if row.error is not None:  # this request alone fails; its tokens of this step are not committed
+                self.fail(seq, row.error)
+                continue
             seq.num_cached_tokens += row.num_accepted
             if self.spec is not None:
                 self.spec.record(seq, len(drafts[i]), row.num_accepted, self.stats)
@@ -239,6 +246,13 @@ class LLMEngine:
             self.spec.propose_host(host_drafting, k_next)
         return produced
 
+    def fail(self, seq: Sequence, error: str) -> None:
+        """Finish `seq` with finish_reason "error" and `error` as its output's reason (its blocks are freed with
+        the finished ones)."""
+        seq.finish("error")
+        self._errors[seq.request_id] = error
+        self.stats.num_failed += 1
+
     def emit(self, items: list[ScheduledSeq], produced: dict[Sequence, list[int]]) -> list[RequestOutput]:
         self.stats.num_finished += len(self.scheduler.update())
         outputs = []
@@ -249,6 +263,7 @@ class LLMEngine:
                 if seq.is_finished:
                     self.requests.pop(seq.request_id, None)
                     self._max_stop_len.pop(seq.request_id, None)
+                    self._errors.pop(seq.request_id, None)
         return outputs
 
     def append(self, seq: Sequence, tokens: list[int]) -> None:
@@ -309,13 +324,17 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt_ids, token_ids, list(new), text, seq.is_finished,
                              seq.finish_reason, seq.num_cached_tokens, metrics, logprobs, scored,
                              [CompletionOutput(0, token_ids, text, seq.finish_reason, logprobs)],
-                             list(seq.token_sources))
+                             list(seq.token_sources), self._errors.get(seq.request_id))
 
     # ---- offline convenience ----
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[RequestOutput]:
         """One output per prompt, in order; with `n` > 1 its `outputs` holds the n samples (each one engine
-        request, `SamplingParams.samples()`) and its top-level fields are sample 0's."""
+        request, `SamplingParams.samples()`) and its top-level fields are sample 0's.
+
+        A request that fails alone (its distribution is not finite: a numerically broken model) does not stop
+        the batch: its output has finish_reason "error", `error` says why, and its tokens are those committed
+        before the failing step; every other prompt's output is as if it had not been there."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

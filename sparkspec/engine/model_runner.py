@@ -5,9 +5,11 @@ Every scheduled sequence contributes its chunk `all_ids[num_cached : num_cached 
 recompute chunk, or the pending token of a decode row), followed on decode rows by the drafts chosen for
 verification. The host packs everything into one `ForwardBatch` (one host->device copy), the target runs once,
 the rejection sampler turns the logits of every sampling row into emitted tokens on the device, a device
-drafter proposes the next drafts from the same rows, and one copy brings back accepted counts, tokens and the
-next drafts. Nothing in between waits for the device. On CUDA a decode / verify step replays one captured graph
-of all of it (`cuda_graphs.py`); prefill and mixed steps run the same functions eagerly.
+drafter proposes the next drafts from the same rows, and one copy brings back accepted counts, tokens, the
+next drafts and a per-request flag, computed on the device, that the request's distribution was finite (a
+request whose was not fails alone; see `RejectionSampler.verify`). Nothing in between waits for the device.
+On CUDA a decode / verify step replays one captured graph of all of it (`cuda_graphs.py`); prefill and mixed
+steps run the same functions eagerly.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class DecodeOutput:
 
     tokens: torch.Tensor  # [S, K+1] emitted tokens, -1 after the L + 1 of each request
     num_accepted: torch.Tensor  # [S] L
+    is_finite: torch.Tensor  # [S] bool: False = the request's distribution is not finite; it fails alone
     drafts: torch.Tensor | None = None  # [S, k] next drafts
     confidences: torch.Tensor | None = None  # [S, k]
     logits: torch.Tensor | None = None  # [S, K+1, V] (eager steps only: logprobs read them)
@@ -183,6 +186,7 @@ class ModelRunner:
         """The one copy back of a sampling step (rows past S are a graph's dummy requests)."""
         down.add("accepted", res.num_accepted[:S])
         down.add("tokens", res.tokens[:S])
+        down.add("finite", res.is_finite[:S])
         if res.drafts is not None:
             down.add("drafts", res.drafts[:S])
             if res.confidences is not None:
@@ -272,7 +276,7 @@ class ModelRunner:
         up.add("positions", [items[i].seq.num_cached_tokens + items[i].num_tokens for i in p.sampling] + [0] * pads)
         up.add("reqs", reqs)
         up.add("pending_rows", [first[i] + (items[i].num_tokens if i < len(items) else 1) - 1 for i in reqs])
-        up.add("temperature", float_bits([sp.temperature for sp in params] + [0.0] * pads))
+        up.add("temperature", float_bits([sp.device_temperature for sp in params] + [0.0] * pads))
         up.add("top_p", float_bits([sp.top_p for sp in params] + [1.0] * pads))
         up.add("next_ids", p.next_host)
 
@@ -312,8 +316,8 @@ class ModelRunner:
     def decode(self, batch, out, dev: dict, S: int, K: int, mode: str, num_drafts: int) -> DecodeOutput:
         """Accept on every sampling request at once, then the device drafter proposes `num_drafts` after each new
         pending token (its q goes to `q_store`)."""
-        tokens, num_accepted, st, logits = self.accept(out, dev, S, K, mode)
-        res = DecodeOutput(tokens, num_accepted, logits=logits, sampling=st)
+        tokens, num_accepted, is_finite, st, logits = self.accept(out, dev, S, K, mode)
+        res = DecodeOutput(tokens, num_accepted, is_finite, logits=logits, sampling=st)
         if num_drafts:
             proposal = self.draft(batch, out, dev, tokens, num_accepted, st, K, num_drafts)
             res.drafts, res.confidences = proposal.token_ids, proposal.confidences
@@ -323,7 +327,8 @@ class ModelRunner:
 
     def accept(self, out, dev: dict, S: int, K: int, mode: str):
         """The rejection sampler on every sampling request at once -> (tokens [S, K+1], num_accepted [S],
-        sampling tensors, logits [S, K+1, V])."""
+        is_finite [S], sampling tensors, logits [S, K+1, V]). Temperatures arrive packed by
+        `SamplingParams.device_temperature` (0 for greedy requests)."""
         all_greedy, any_top_k, any_top_p = MODE_FLAGS[mode]
         st = SamplingTensors(dev["temperature"].view(torch.float64).float(), dev["top_k"],
                              dev["top_p"].view(torch.float64).float(), dev["seeds"], all_greedy, any_top_k, any_top_p)
@@ -336,8 +341,8 @@ class ModelRunner:
             if self.q_store is not None:
                 q_rows = dev["q_rows"]
                 q = torch.where((q_rows >= 0).view(S, 1, 1), self.q_store[q_rows.clamp(min=0), :K], q)
-        tokens, num_accepted = self.sampler(logits, draft_ids, q, st, dev["positions"])  # [S, K+1], [S]
-        return tokens, num_accepted, st, logits
+        tokens, num_accepted, is_finite = self.sampler.verify(logits, draft_ids, q, st, dev["positions"])
+        return tokens, num_accepted, is_finite, st, logits
 
     def draft(self, batch, out, dev: dict, tokens, num_accepted, st, K: int, k: int):
         """The device drafter sees the step's rows (all written into its context) and drafts k tokens after each

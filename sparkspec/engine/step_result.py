@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from sparkspec.engine.model_runner import StepPlan
     from sparkspec.engine.scheduler import ScheduledSeq
 
+# why a request fails alone when the step's flag says its row was not finite (`RejectionSampler.verify`)
+NONFINITE_ERROR = "the model's distribution for this request is not finite (NaN/inf logits)"
+
 Logprobs = list[dict[int, float]]  # per token: {id: logprob}, the top-N highest first, then the token if not among them
 
 
@@ -25,6 +28,7 @@ class SampledRow:
     next_drafts: list[int]  # drafts proposed for the next step (empty when none were asked for)
     next_confidences: list[float] | None
     logprobs: Logprobs | None = None  # [L + 1] when the request asks for logprobs
+    error: str | None = None  # set: the request fails (its tokens are meaningless); the rest of the step commits
 
 
 @dataclass
@@ -56,6 +60,7 @@ def read_step(p: StepPlan, host: dict, q_store: torch.Tensor | None) -> StepResu
     K1, k, keep = p.K + 1, p.num_drafts, p.keep_drafts
     L = [int(x) for x in host["accepted"][0]]
     toks = host["tokens"][0]
+    finite = host["finite"][0]
     nxt = host["drafts"][0] if "drafts" in host else []
     conf = host["confidences"][0] if "confidences" in host else None
     lp_of = {r: j for j, r in enumerate(p.logprob_rows)}
@@ -67,7 +72,8 @@ def read_step(p: StepPlan, host: dict, q_store: torch.Tensor | None) -> StepResu
             lps = logprob_dicts(emitted, host["sampled"], lp_of[r] * K1, min(p.params[r].logprobs, p.num_top),
                                 p.num_top)
         rows[i] = SampledRow(L[r], emitted, [int(t) for t in nxt[r * k : r * k + keep]],
-                             conf[r * k : r * k + keep] if conf else None, lps)
+                             conf[r * k : r * k + keep] if conf else None, lps,
+                             None if finite[r] else NONFINITE_ERROR)
     next_probs = q_store if k and p.mode != "greedy" else None
     return StepResult(rows, next_probs, {i: r for r, i in enumerate(p.sampling)}, prompt)
 

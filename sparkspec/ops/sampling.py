@@ -11,6 +11,11 @@ Terms:
   recovered tokens of speculative decoding (Leviathan et al., arXiv 2211.17192) mutually independent:
   STREAM_TARGET (plain decoding and bonus tokens), STREAM_DRAFT (drafters), STREAM_ACCEPT (accept tests),
   STREAM_RESIDUAL (recovered tokens).
+* **greedy row** — temperature below `MIN_TEMPERATURE` (0 included): the argmax, one-hot distribution.
+* **finite row** — a row whose distribution is a real one: its logits have no NaN or +inf and not all are
+  -inf, and (sampled rows) the processed probabilities are finite with positive mass. Whatever the row holds,
+  every id this module returns is in [0, V); the engine fails a request whose row is not finite
+  (`RejectionSampler.verify`), and drafters replace such a draft (`sample_draft`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from sparkspec.ops.registry import native
 from sparkspec.ops.rng import uniform
-from sparkspec.sampling_params import SamplingParams
+from sparkspec.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 STREAM_TARGET = 0
 STREAM_DRAFT = 1
@@ -32,7 +37,7 @@ STREAM_RESIDUAL = 3
 @native("process_logits")
 def process_logits(
     logits: torch.Tensor,  # [R, V]
-    temperature: torch.Tensor,  # [R] fp32; rows with 0 are greedy (one-hot on the argmax)
+    temperature: torch.Tensor,  # [R] fp32; rows below MIN_TEMPERATURE are greedy (one-hot on the argmax)
     top_k: torch.Tensor,  # [R] int; <= 0 disables
     top_p: torch.Tensor,  # [R] fp32; 1 disables
     any_top_k: bool = True,  # host flags: False promises no row uses top-k / top-p (skips the sort)
@@ -45,7 +50,7 @@ def process_logits(
     """
     logits = logits.float()
     R, V = logits.shape
-    greedy = (temperature <= 0).unsqueeze(1)  # [R, 1]
+    greedy = (temperature < MIN_TEMPERATURE).unsqueeze(1)  # [R, 1]
     x = logits / torch.where(greedy, 1.0, temperature.float().unsqueeze(1))
     if any_top_k or any_top_p:  # one descending sort serves both masks
         xs, idx = torch.sort(x, dim=-1, descending=True)  # [R, V]
@@ -77,7 +82,8 @@ def inverse_cdf(
     cdf = probs.double().cumsum(-1)  # [R, V]
     total = cdf[:, -1]
     target = torch.minimum(u.double() * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
-    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    # a row with no mass or a NaN finds no token (index V): clamped, so no id leaves [0, V) (the caller flags it)
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
 @native("sample")
@@ -112,7 +118,8 @@ class SamplingTensors:
     def from_params(
         cls, params: list[SamplingParams], device: torch.device | str, seeds: list[int | None] | None = None
     ) -> SamplingTensors:
-        """seeds[i] is used when params[i].seed is None (a request's own seed wins)."""
+        """seeds[i] is used when params[i].seed is None (a request's own seed wins). Greedy requests (below
+        MIN_TEMPERATURE) are packed at temperature 0."""
         seeds = seeds if seeds is not None else [None] * len(params)
         chosen = [p.seed if p.seed is not None else s for p, s in zip(params, seeds, strict=True)]
         if any(s is None for s in chosen):
@@ -123,7 +130,7 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
-            temperature=t([p.temperature for p in params], torch.float32),
+            temperature=t([p.device_temperature for p in params], torch.float32),
             top_k=t([p.top_k for p in params], torch.int64),
             top_p=t([p.top_p for p in params], torch.float32),
             seeds=t(wrapped, torch.int64),
@@ -148,7 +155,7 @@ class SamplingTensors:
 
     @property
     def greedy(self) -> torch.Tensor:  # [R] bool
-        return self.temperature <= 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def probs_for(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # logits [R, V] -> [R, V]
@@ -159,7 +166,7 @@ def probs_for(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # log
 def logprobs_for(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # logits [R, V] -> [R, V] fp32
     """Log-probabilities of the distribution each row samples from: log_softmax(logits / temperature) renormalised
     over the tokens top-k / top-p keep (-inf elsewhere), i.e. the log of `probs_for` computed without its
-    rounding. Greedy rows (temperature 0), whose distribution is one-hot, give the log-softmax of the raw logits
+    rounding. Greedy rows (below MIN_TEMPERATURE), whose distribution is one-hot, give the log-softmax of the raw logits
     instead, as vLLM does: the logprobs a client asks for at temperature 0 are the model's own."""
     logits = logits.float()
     if st.all_greedy:
@@ -197,3 +204,36 @@ def sample_tokens(
     if st.all_greedy:
         return argmax
     return torch.where(st.greedy, argmax, sample(probs_for(logits, st), st.seeds, offsets, stream))
+
+
+def is_finite_dist(
+    logits: torch.Tensor,  # [..., V]
+    probs: torch.Tensor | None = None,  # [..., V] the processed distribution (sampled rows), or None (greedy)
+) -> torch.Tensor:
+    """-> [...] bool: the row's distribution is a real one (see "finite row" above). NaN and +inf propagate
+    through the max, and all -inf leaves it -inf; a finite logit row can still overflow `logits / T`, which the
+    mass of `probs` shows (greedy rows there are one-hot: mass 1)."""
+    ok = torch.isfinite(logits.amax(-1))
+    if probs is not None:
+        mass = probs.sum(-1)
+        ok &= torch.isfinite(mass) & (mass > 0)
+    return ok
+
+
+def sample_draft(
+    logits: torch.Tensor,  # [R, V] a drafter's logits
+    st: SamplingTensors,  # R rows
+    offsets: torch.Tensor,  # [R] int64: absolute position of the draft
+    stream: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft per row and the exact q it was drawn from -> (ids [R] int64, q [R, V] fp32).
+
+    A row whose distribution is not finite (a numerically broken drafter) drafts deterministically instead: the
+    argmax of its non-NaN logits, with q one-hot on it. Verification stays lossless (it is for any draft whose q
+    is exact), the id is in range, and the target, not the drafter, decides the request's tokens."""
+    q = probs_for(logits, st)
+    ok = is_finite_dist(logits, q)  # [R]
+    fallback = logits.float().masked_fill(torch.isnan(logits), float("-inf")).argmax(-1)  # [R], 0 if all NaN
+    ids = torch.where(ok, sample(q, st.seeds, offsets, stream), fallback)
+    one_hot = torch.zeros_like(q).scatter_(1, fallback.unsqueeze(1), 1.0)
+    return ids, torch.where(ok.unsqueeze(1), q, one_hot)

@@ -9,7 +9,8 @@ every step, committed or not (see `proposer.py` for why that needs no rollback).
 committed positions, b = pending token), reading the W context rows before N and all k block rows
 (non-causal), then the Markov head left to right: q_i = processed(U_i + bias(d_{i-1})), d_i drawn from q_i
 with the request's seed at position N+1+i (greedy requests: the argmax). q is returned as the exact draft
-distribution for verification.
+distribution for verification; a row whose q is not finite drafts a fixed id with a one-hot q instead
+(`sampling.sample_draft`), so verification stays lossless and every draft id is in range.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
 from sparkspec.models.dspark import DSparkDraftModel, calibrated_confidences
-from sparkspec.ops.sampling import STREAM_DRAFT, probs_for, sample
+from sparkspec.ops.sampling import STREAM_DRAFT, sample_draft
 from sparkspec.spec_decode.proposer import DraftBatch, Proposer, StepRows
 
 
@@ -91,12 +92,13 @@ class DSparkProposer(Proposer):
             if greedy:
                 prev = logits.argmax(-1)
             else:
-                q = probs_for(logits, step.sampling)  # [R, V] the exact draft distribution
-                prev = sample(q, step.sampling.seeds, step.pending_pos + 1 + i, STREAM_DRAFT)
+                # [R], [R, V] the exact draft distribution (one-hot on a fixed id where it is not finite)
+                prev, q = sample_draft(logits, step.sampling, step.pending_pos + 1 + i, STREAM_DRAFT)
                 probs.append(q)
             tokens.append(prev)
         confidences = None
         if w_h is not None:  # z_i = proj_h · h_i + proj_e · markov_w1[prev_i], then the calibration
             z = F.linear(out.hidden.float(), w_h).squeeze(-1) + torch.stack(conf_z, 1)  # [R, k]
-            confidences = calibrated_confidences(z, temperature, survival_map)
+            # a NaN confidence (a broken drafter row) would reach the host budget: read it as "rejected"
+            confidences = calibrated_confidences(z, temperature, survival_map).nan_to_num(0.0)
         return DraftBatch(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), confidences)

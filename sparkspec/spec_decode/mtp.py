@@ -20,7 +20,7 @@ from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
 from sparkspec.models.mtp import MTPDraftModel
 from sparkspec.ops import ops
 from sparkspec.ops.indices import paged_attention_indices
-from sparkspec.ops.sampling import STREAM_DRAFT, probs_for, sample
+from sparkspec.ops.sampling import STREAM_DRAFT, sample_draft
 from sparkspec.spec_decode.proposer import DraftBatch, Proposer, StepRows
 
 
@@ -78,7 +78,8 @@ class MTPProposer(Proposer):
             if step.sampling.all_greedy:  # q would be one-hot on the argmax
                 tokens.append(logits.argmax(-1))
                 continue
-            q = probs_for(logits, step.sampling)
-            tokens.append(sample(q, step.sampling.seeds, step.pending_pos + 1 + j, STREAM_DRAFT))
+            # a row whose q is not finite drafts a fixed id with a one-hot q (`sample_draft`): lossless, in range
+            token, q = sample_draft(logits, step.sampling, step.pending_pos + 1 + j, STREAM_DRAFT)
+            tokens.append(token)
             probs.append(q)
         return DraftBatch(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)

@@ -23,6 +23,13 @@ STREAM_ACCEPT, recovered draws from STREAM_RESIDUAL, bonus draws from STREAM_TAR
 gives exactly `sample_tokens(logits, st, positions, STREAM_TARGET)`). Numbers at offsets past the emitted
 token were computed but did not influence the output, so reusing them in the next step keeps every
 position's randomness fresh; and a seeded request's tokens do not depend on the rest of the batch.
+
+Non-finite rows (`sampling.is_finite_dist`: NaN / inf logits, e.g. a numerically broken model): a draft is
+never accepted at a row whose p is not finite, so L stops at the first such row, and the request is flagged
+(`verify`'s is_finite) exactly when the token it emits at L would come from one. That is the row plain
+decoding would have sampled from: the flag does not depend on the drafts. Rows past L (rejected drafts'
+contexts) are never looked at. Every emitted id is in [0, V) even then; the engine fails the flagged request
+alone and commits the rest of the batch.
 """
 
 from __future__ import annotations
@@ -30,23 +37,37 @@ from __future__ import annotations
 import torch
 
 from sparkspec.ops.rng import uniform_at
-from sparkspec.ops.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET, SamplingTensors, inverse_cdf, probs_for
+from sparkspec.ops.sampling import (
+    STREAM_ACCEPT,
+    STREAM_RESIDUAL,
+    STREAM_TARGET,
+    SamplingTensors,
+    inverse_cdf,
+    is_finite_dist,
+    probs_for,
+)
 
 
 class RejectionSampler:
     def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         return self.forward(*args, **kwargs)
 
-    def forward(
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`verify` without the finiteness flag -> (output_ids [R, K+1], num_accepted [R])."""
+        out, L, _ = self.verify(*args, **kwargs)
+        return out, L
+
+    def verify(
         self,
         target_logits: torch.Tensor,  # [R, K+1, V] fp32
         draft_ids: torch.Tensor,  # [R, K] int64, -1 padded: request r's drafts in columns 0..n_r-1
         draft_probs: torch.Tensor | None,  # [R, K, V] fp32 q_i; None: one-hot drafts (deterministic drafter)
         st: SamplingTensors,  # R requests
         positions: torch.Tensor,  # [R] int64: absolute position of the first verified token (where d_0 sits)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (output_ids [R, K+1] int64: d_0..d_{L-1} then the recovered / bonus token, -1 after;
-        num_accepted [R] int64 = L)."""
+        num_accepted [R] int64 = L; is_finite [R] bool: False when row L's distribution is not finite, whose
+        request must fail: its ids are in range but meaningless)."""
         R, K1, V = target_logits.shape
         K = K1 - 1
         dev = target_logits.device
@@ -57,9 +78,11 @@ class RejectionSampler:
         rows = torch.arange(R, device=dev)
 
         if st.all_greedy:
+            is_finite = is_finite_dist(target_logits)  # [R, K+1]
             accept = d == argmax[:, :K]
         else:
             p = probs_for(target_logits.reshape(R * K1, V), st.repeat_interleave(K1)).view(R, K1, V)
+            is_finite = is_finite_dist(target_logits, p)  # [R, K+1]
             p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2)  # [R, K]
             q_d = draft_probs.gather(2, d.unsqueeze(2)).squeeze(2) if draft_probs is not None else 1.0
             # one RNG call for every stream at every verified position: u[stream, r, i] at offset positions[r] + i
@@ -67,7 +90,7 @@ class RejectionSampler:
             u = uniform_at(st.seeds.view(1, R, 1), positions.view(1, R, 1) + cols, streams.view(-1, 1, 1), 0,
                            torch.float64)  # [streams, R, K+1]
             accept = torch.where(st.greedy.unsqueeze(1), d == argmax[:, :K], u[STREAM_ACCEPT, :, :K] * q_d < p_d)
-        accept &= cols[:K] < n.unsqueeze(1)
+        accept &= (cols[:K] < n.unsqueeze(1)) & is_finite[:, :K]
         L = accept.long().cumprod(1).sum(1)  # [R] leading accepts
         token = argmax[rows, L]  # [R] greedy: recovered and bonus are both argmax p_L
 
@@ -81,10 +104,11 @@ class RejectionSampler:
             else:  # q_L one-hot on d_L: max(p_L - q_L, 0) is p_L without d_L
                 residual = p_L.scatter(1, d[rows, at].unsqueeze(1), 0.0)
             bonus = L == n  # [R]
-            dist = torch.where((bonus | (residual.sum(1) <= 0)).unsqueeze(1), p_L, residual)
+            # `not > 0` rather than `<= 0`: a NaN residual (a q that is not finite) also falls back to p_L
+            dist = torch.where((bonus | ~(residual.sum(1) > 0)).unsqueeze(1), p_L, residual)
             u_tok = torch.where(bonus, u[STREAM_TARGET, rows, L], u[STREAM_RESIDUAL, rows, L])  # [R]
             token = torch.where(st.greedy, token, inverse_cdf(dist, u_tok))
 
         drafts = torch.cat([d, d.new_zeros(R, 1)], 1)  # [R, K+1]
         out = torch.where(cols < L.unsqueeze(1), drafts, torch.where(cols == L.unsqueeze(1), token.unsqueeze(1), -1))
-        return out, L
+        return out, L, is_finite[rows, L]
