@@ -153,6 +153,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def cmd_serve(args) -> int:
     from sparkspec.engine.async_engine import AsyncLLMEngine
+    from sparkspec.platform import check_device
     from sparkspec.serve.api import create_app
     from sparkspec.serve.connections import ConnectionLimits, uvicorn_config
 
@@ -164,6 +165,7 @@ def cmd_serve(args) -> int:
     limits = ConnectionLimits(header_timeout=args.timeout_header, body_timeout=args.timeout_body,
                               max_connections=args.max_connections)
     sock = listen_socket(args.host, args.port)  # before the model loads: a bad or taken port fails in a second
+    check_device(args.device)
     engine, ckpt = build_engine(args, max_waiting=args.max_waiting)
     name = args.served_model_name or Path(ckpt.path).name
     print(f"serving '{name}' from {ckpt.path} on http://{args.host}:{sock.getsockname()[1]} "
