@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_init(args) -> int:
-    from sparkspec.checkpoint import init_checkpoint
+    from sparkspec.loading.random_init import init_checkpoint
 
     t0 = time.perf_counter()
     init_checkpoint(args.preset, args.out, seed=args.seed, drafter=args.drafter, shard_size_bytes=args.shard_size)
@@ -136,15 +136,15 @@ def encode_prompts(items, tokenizer, model_dir) -> list[tuple[str | None, list[i
 
 def _config_and_tokenizer(model_dir):
     """What sizing the prompts needs, without the weights (a tensor-parallel run loads those per rank)."""
-    from sparkspec.checkpoint import read_config, read_tokenizer
+    from sparkspec.loading.checkpoint import read_config, read_tokenizer
 
     cfg = read_config(model_dir)
     return cfg, read_tokenizer(model_dir, cfg)
 
 
 def cmd_generate(args) -> int:
-    from sparkspec.checkpoint import load_checkpoint
     from sparkspec.engine.llm import LLM
+    from sparkspec.loading.checkpoint import load_checkpoint
     from sparkspec.platform import check_device
     from sparkspec.sampling_params import SamplingParams
     from sparkspec.spec_decode.metrics import SpecMetrics
@@ -236,9 +236,17 @@ def output_record(text: str | None, ids: list[int], out, spec) -> dict:
 
 
 def cmd_env(args) -> int:
+    from sparkspec.ops.registry import implementation_table
     from sparkspec.platform import environment_lines
 
-    print("\n".join(environment_lines()))
+    lines = environment_lines()
+    table = implementation_table()
+    names = sorted(next(iter(table.values())))
+    rows = [["op"] + list(table)] + [[n] + [table[t][n] for t in table] for n in names]
+    widths = [max(len(r[i]) for r in rows) + 2 for i in range(len(rows[0]))]
+    lines += ["", "op implementation per device type:"]
+    lines += ["  " + "".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    print("\n".join(lines))
     return 0
 
 

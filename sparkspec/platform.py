@@ -98,9 +98,7 @@ def _version(module: str) -> str:
 
 
 def environment_lines() -> list[str]:
-    """`sparkspec env`: platform, library versions, devices, and which op implementation each device type gets."""
-    from sparkspec.ops.registry import implementation_table
-
+    """`sparkspec env`'s platform, library versions and devices (the CLI adds the op table)."""
     plat = current_platform()
     hip = getattr(torch.version, "hip", None)
     lines = [f"platform      {plat.name} (default device {plat.device})",
@@ -115,12 +113,6 @@ def environment_lines() -> list[str]:
             for i in range(mod.device_count()):
                 props = mod.get_device_properties(i)
                 lines.append(f"  {kind}:{i}  {props.name}, {props.total_memory / 2**30:.1f} GiB")
-    table = implementation_table()
-    names = sorted(next(iter(table.values())))
-    rows = [["op"] + list(table)] + [[n] + [table[t][n] for t in table] for n in names]
-    widths = [max(len(r[i]) for r in rows) + 2 for i in range(len(rows[0]))]
-    lines += ["", "op implementation per device type:"]
-    lines += ["  " + "".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return lines
 
 

@@ -44,9 +44,9 @@ def test_missing_optional_package_names_the_extra(capsys, monkeypatch, tiny_chec
 
 
 def test_a_missing_prompts_file_is_reported_before_the_model_loads(capsys, monkeypatch, tiny_checkpoint, tmp_path):
-    import sparkspec.checkpoint
+    import sparkspec.loading.checkpoint
 
-    monkeypatch.setattr(sparkspec.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(sparkspec.loading.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("model loaded"))
     code, err = run(capsys, "generate", "--model", str(tiny_checkpoint), "--prompts-file", str(tmp_path / "no.jsonl"))
     assert code == 2 and err == [f"error: prompts file not found: {tmp_path / 'no.jsonl'}"]
 
@@ -56,10 +56,10 @@ def test_a_missing_prompts_file_is_reported_before_the_model_loads(capsys, monke
     ["bench", "offline", "--model", "MODEL"],
 ])
 def test_plot_without_matplotlib_fails_before_running(capsys, monkeypatch, tiny_checkpoint, tmp_path, argv):
-    import sparkspec.checkpoint
+    import sparkspec.loading.checkpoint
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(sparkspec.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(sparkspec.loading.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("model loaded"))
     argv = [str(tiny_checkpoint) if a == "MODEL" else a for a in argv]
     code, err = run(capsys, *argv, "--plot", str(tmp_path / "p.png"))
     assert code == 2 and len(err) == 1 and "sparkspec[bench]" in err[0]

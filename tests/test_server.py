@@ -20,7 +20,7 @@ import uvicorn
 from sparkspec.engine.async_engine import AsyncLLMEngine
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
-from sparkspec.checkpoint import load_checkpoint
+from sparkspec.loading.checkpoint import load_checkpoint
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.serve.api import create_app
 from sparkspec.serve.connections import ConnectionLimits, uvicorn_config

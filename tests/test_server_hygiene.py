@@ -19,7 +19,7 @@ from test_server import Server, free_port
 
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
-from sparkspec.checkpoint import load_checkpoint
+from sparkspec.loading.checkpoint import load_checkpoint
 from sparkspec.serve.connections import ConnectionLimits
 from sparkspec.tokenizer import Tokenizer
 

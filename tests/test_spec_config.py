@@ -8,8 +8,8 @@ import pytest
 import torch
 from spec_helpers import drafter_tensors, mixed_prompts, one_thread, tiny_setup  # noqa: F401
 
-from sparkspec.models.dspark import DSparkDraftModel
-from sparkspec.models.mtp import MTPDraftModel, find_mtp_stages, init_drafter_tensors
+from sparkspec.loading.drafters import dspark_from_tensors, find_mtp_stages, mtp_from_tensors
+from sparkspec.loading.random_init import init_drafter_tensors
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
@@ -96,7 +96,7 @@ def test_config_without_dspark_fields_is_an_error():
     cfg, _, tensors = tiny_setup()
     for field in ("dspark_block_size", "dspark_target_layer_ids", "dspark_markov_rank", "dspark_noise_token_id"):
         with pytest.raises(ValueError, match=field):
-            DSparkDraftModel.from_tensors(dataclasses.replace(cfg, **{field: None}), tensors)
+            dspark_from_tensors(dataclasses.replace(cfg, **{field: None}), tensors)
 
 
 def test_both_drafters_in_one_checkpoint():
@@ -106,10 +106,10 @@ def test_both_drafters_in_one_checkpoint():
     n = cfg.num_dspark_layers
     assert f"mtp.{n - 1}.markov_head.markov_w1.weight" in tensors and f"mtp.{n}.e_proj.weight" in tensors
     assert f"mtp.{n}.main_proj.weight" not in tensors and "mtp.0.e_proj.weight" not in tensors
-    mtp = MTPDraftModel.from_tensors(cfg, tensors)
+    mtp = mtp_from_tensors(cfg, tensors)
     assert mtp.first_stage == n and mtp.num_layers == cfg.num_nextn_predict_layers
     assert set(mtp.state_dict()) <= set(tensors)
-    assert set(DSparkDraftModel.from_tensors(cfg, tensors).state_dict()) <= set(tensors)
+    assert set(dspark_from_tensors(cfg, tensors).state_dict()) <= set(tensors)
     assert set(init_drafter_tensors(cfg, torch.Generator(), "mtp")) == {
         n_.replace(f"mtp.{n}.", "mtp.0.") for n_ in tensors if n_.startswith(f"mtp.{n}.")}
     with pytest.raises(ValueError, match="drafter"):
@@ -120,9 +120,9 @@ def test_optional_heads():
     """No confidence head: drafts carry no confidences. No `mtp.S.norm`: the MTP uses the target's norm."""
     cfg, model, tensors = tiny_setup()
     no_conf = {n: t for n, t in tensors.items() if "confidence_head" not in n}
-    assert not DSparkDraftModel.from_tensors(cfg, no_conf).has_confidence
+    assert not dspark_from_tensors(cfg, no_conf).has_confidence
     no_norm = {n: t for n, t in tensors.items() if not n.endswith(f"mtp.{cfg.num_dspark_layers}.norm.weight")}
-    assert MTPDraftModel.from_tensors(cfg, no_norm).layer(0).norm is None
+    assert mtp_from_tensors(cfg, no_norm).layer(0).norm is None
     prompts = mixed_prompts(cfg.vocab_size, [5, 18], seed=10)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     reference = generate(model, prompts, params)

@@ -137,9 +137,9 @@ def test_mtp_step_lowers_loss(cfg, frozen_target):
 
 
 def test_drafters_round_trip_through_checkpoint(cfg, tmp_path):
-    from sparkspec.checkpoint import init_checkpoint, load_checkpoint
-    from sparkspec.models.dspark import DSparkDraftModel
-    from sparkspec.models.mtp import MTPDraftModel
+    from sparkspec.loading.checkpoint import load_checkpoint
+    from sparkspec.loading.drafters import dspark_from_tensors, mtp_from_tensors
+    from sparkspec.loading.random_init import init_checkpoint
     from sparkspec.train.features import save_drafter
 
     init_checkpoint("tiny", tmp_path, seed=0)
@@ -149,8 +149,8 @@ def test_drafters_round_trip_through_checkpoint(cfg, tmp_path):
     ck = load_checkpoint(tmp_path, device="cpu", dtype="float32")
     save_drafter(tmp_path, tmp_path, ck, mtp.state_dict(), ["mtp.2."])
     ck = load_checkpoint(tmp_path, device="cpu", dtype="float32")
-    d2 = DSparkDraftModel.from_tensors(ck.config, ck.drafter_tensors)
-    m2 = MTPDraftModel.from_tensors(ck.config, ck.drafter_tensors)
+    d2 = dspark_from_tensors(ck.config, ck.drafter_tensors)
+    m2 = mtp_from_tensors(ck.config, ck.drafter_tensors)
     for a, b in ((dspark, d2), (mtp, m2)):
         for (name, p), (name2, q) in zip(a.state_dict().items(), b.state_dict().items()):
             assert name == name2
@@ -175,8 +175,8 @@ def test_sts_fixes_an_overconfident_head():
 
 
 def test_eval_on_tiny_checkpoint_reports(tmp_path, capsys):
-    from sparkspec.checkpoint import init_checkpoint
     from sparkspec.cli import main
+    from sparkspec.loading.random_init import init_checkpoint
 
     init_checkpoint("tiny", tmp_path / "ck", seed=0, drafter="both")
     data = tmp_path / "data"
@@ -193,7 +193,9 @@ def test_eval_on_tiny_checkpoint_reports(tmp_path, capsys):
                                                                for t in (0.0, 1.0)}
     for r in rows:
         if r["method"] == "dspark":
-            assert r["tau"] >= 1.0 and len(r["cond_accept"]) == 4 and r["steps"] > 0
+            assert len(r["cond_accept"]) == len(r["accept_rate"]) == 4 and r["steps"] > 0
+            # τ (from the accepted total) = 1 + Σ accept_rate@i (from the per-position counts); 5 values rounded
+            assert r["tau"] == pytest.approx(1 + sum(r["accept_rate"]), abs=3e-4)
     assert (tmp_path / "acc.png").stat().st_size > 0
     assert "tau" in capsys.readouterr().out
 
@@ -215,6 +217,44 @@ def test_resume_restores_parameters_optimizer_step_and_log(tmp_path):
         assert torch.equal(a, b)
     assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
     assert common.resume(tmp_path / "none", fresh, fresh_opt, common.RunLog()) == (0, 0.0)
+
+
+def test_train_loop_logs_saves_and_resumes(tmp_path):
+    """The one loop of the three trainers: logs at step 1 and every 10, saves every `save_every`, and a second
+    run resumes at the saved step, calling the loss only for the steps left."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def loop_and_calls(model):
+        loop = common.TrainLoop("t", model, common.adamw(model.parameters(), 1e-2), 1e-2, steps=12, minutes=None,
+                                device=DEVICE, state_dir=tmp_path, save_every=5)
+        calls = []
+
+        def loss_terms():
+            calls.append(loop.step)
+            return {"loss": (model(x) - y).square().mean()}
+
+        return loop, loss_terms, calls
+
+    loop, loss_terms, calls = loop_and_calls(torch.nn.Linear(4, 1))
+    loop.run(loss_terms)
+    assert loop.step == 12 and calls == list(range(12))
+    assert [e["step"] for e in loop.log.entries] == [1, 10]
+    assert {"loss", "grad_norm", "lr"} <= loop.log.entries[-1].keys()
+    assert loop.log.entries[-1]["loss"] < loop.log.entries[0]["loss"]
+    assert common.load_state(tmp_path)["step"] == 10
+    again, loss_terms, calls = loop_and_calls(torch.nn.Linear(4, 1))
+    assert again.step == 10 and again.log.entries == loop.log.entries
+    again.run(loss_terms)
+    assert calls == [10, 11] and again.step == 12
+
+
+def test_epoch_batches_cover_every_item_once_per_epoch():
+    batches = common.epoch_batches(7, 2, torch.Generator().manual_seed(0))
+    first = [next(batches) for _ in range(3)]  # 6 of 7 items; the seventh is the tail skipped
+    assert all(len(b) == 2 for b in first) and len({i for b in first for i in b}) == 6
+    assert set(next(batches)) <= set(range(7))  # a new permutation
+    assert sorted(next(common.epoch_batches(3, 5, torch.Generator().manual_seed(0)))) == [0, 1, 2]
 
 
 def test_survival_map_calibrates_correlated_blocks_at_every_position():

@@ -6,8 +6,9 @@ decoded; the decode steps are timed (wall clock, the device synchronised before 
 step is the bytes it must read, active weights (every dense weight, the shared experts, and the routed experts
 that B tokens are expected to hit) plus the KV rows each query reads, divided by the device copy bandwidth
 measured in the same run. The ratio to it says how far the step is from memory-bound. With speculation
-(`--spec`, on a checkpoint with drafter weights) a row also gives τ and the split of a step into verifying k
-drafts and drafting the next k (`draft_share` = draft / verify).
+(`--spec`, on a checkpoint with drafter weights) a row also gives τ and the split of one verify step
+(`split_step_ms`, the engine's step over the requests' pools, median of a few) into verifying k drafts
+(`verify_ms`) and drafting the next k (`draft_ms` = split_step_ms - verify_ms; `draft_share` = draft / verify).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from sparkspec.bench.common import sync
 from sparkspec.config import CSA, ModelConfig
 
 
@@ -35,11 +37,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
-
-
-def sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
 
 
 def step_bytes(model, batch: int, context: int, rows_per_request: int = 1, uniform: bool = False) -> int:
@@ -127,16 +124,19 @@ def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str
 
 def step_split(eng, batch: int, context_len: int, repeats: int = 5) -> dict:
     """One decode step of `batch` requests cut in two: verifying k drafts (the target forward, the rejection
-    sampler and the copy back), and drafting the next k (observe + propose), by difference. Runs on the engine's
-    pools once its requests are done."""
+    sampler and the copy back), and drafting the next k (observe + propose), by difference: the whole step
+    (`split_step_ms`) minus the same step without drafting (`verify_ms`, at most the whole step: noise can make the
+    median without drafting the larger). The two parts add up to the step. Runs on the engine's pools once its
+    requests are done."""
     spec, runner = eng.spec, eng.runner
     k = spec.num_spec_tokens
     items = spec.probe_requests(runner, batch, context_len)
     drafts = [[2] * k for _ in items]
     verify = spec.time_step(runner, items, drafts, 0, repeats)
     full = spec.time_step(runner, items, drafts, k if spec.proposer.on_device else 0, repeats)
-    return {"verify_ms": 1000 * verify, "draft_ms": 1000 * max(full - verify, 0.0),
-            "draft_share": max(full - verify, 0.0) / verify}
+    verify = min(verify, full)
+    return {"split_step_ms": 1000 * full, "verify_ms": 1000 * verify, "draft_ms": 1000 * (full - verify),
+            "draft_share": (full - verify) / verify}
 
 
 def profile_steps(eng, device: torch.device, num_steps: int = 8) -> dict:
@@ -197,7 +197,7 @@ def run(args) -> list[dict]:
 def build_model(args, cfg: ModelConfig | None, device: torch.device, dtype: torch.dtype, pg):
     """-> (model, drafter_tensors, proposer factory or None, transformers model or None) for this rank."""
     if args.model is not None:
-        from sparkspec.checkpoint import load_checkpoint
+        from sparkspec.loading.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(args.model, device=str(device), dtype=args.dtype, progress=pg is None or pg.rank == 0,
                                parallel=pg, expert_parallel=args.enable_expert_parallel,
@@ -212,7 +212,7 @@ def build_model(args, cfg: ModelConfig | None, device: torch.device, dtype: torc
         except ImportError:
             print("transformers is not installed: skipping the comparison")
             args.compare_transformers = False
-    from sparkspec.models.random_init import random_model
+    from sparkspec.loading.random_model import random_model
 
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     if args.spec not in ("none", "ngram", "dspark"):
@@ -273,8 +273,9 @@ def bench_rank(pg, args) -> list[dict]:
                "mem_GB": round(torch.cuda.max_memory_allocated(device) / 1e9, 1) if device.type == "cuda" else None,
                **extra.get("load", {})}
         if "tau" in extra:
-            row |= {"tau": round(extra["tau"], 2), "verify_ms": round(extra["verify_ms"], 3),
-                    "draft_ms": round(extra["draft_ms"], 3), "draft_share": round(extra["draft_share"], 3)}
+            row |= {"tau": round(extra["tau"], 2), "split_step_ms": round(extra["split_step_ms"], 3),
+                    "verify_ms": round(extra["verify_ms"], 3), "draft_ms": round(extra["draft_ms"], 3),
+                    "draft_share": round(extra["draft_share"], 3)}
         if args.profile:
             row |= {"kernels_per_step": prof["kernels_per_step"], "syncs_per_step": prof["syncs_per_step"],
                     "gpu_busy": prof["gpu_busy_fraction"]}
@@ -317,7 +318,7 @@ def bench_rank(pg, args) -> list[dict]:
 
 def random_weights_name(model, dtype: str) -> str:
     """'random <dtype>', or 'random fp8/fp4 + <dtype>' when the random target took the quantised layout."""
-    from sparkspec.models.quantized import Fp4Linear, Fp8Linear
+    from sparkspec.loading.quantized import Fp4Linear, Fp8Linear
 
     kinds = {type(m) for m in model.modules()} & {Fp8Linear, Fp4Linear}
     names = "/".join(n for n, cls in (("fp8", Fp8Linear), ("fp4", Fp4Linear)) if cls in kinds)

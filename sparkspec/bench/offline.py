@@ -72,9 +72,9 @@ def run_level(engine, prompt_ids: list[list[int]], concurrency: int, num_request
 def run_offline(args) -> list[dict]:
     import torch
 
-    from sparkspec.checkpoint import load_checkpoint
     from sparkspec.engine.config import EngineConfig
     from sparkspec.engine.llm_engine import LLMEngine
+    from sparkspec.loading.checkpoint import load_checkpoint
     from sparkspec.platform import check_device
     from sparkspec.sampling_params import SamplingParams
 

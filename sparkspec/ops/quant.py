@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from sparkspec.models.quant import FP8_BLOCK, dequant_fp8_block, fp8_scale_shape
+from sparkspec.ops.formats import FP8_BLOCK, dequant_fp8_block, fp8_scale_shape
 from sparkspec.ops.registry import accelerated, native
 
 log = logging.getLogger("sparkspec.ops")
@@ -119,8 +119,9 @@ def scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 _PROBED: dict[int, bool] = {}  # device index -> the probe passed
-# Below this many rows the Triton kernel is faster (H200, torch 2.11 + CUDA 13, `.gpu/quant_check.py`: 0.07 ms
-# against 0.27 ms at M = 1 on 1024 x 4096; 0.26 ms against 0.19 ms at M = 2048), and it is also exact on x.
+# Below this many rows the Triton kernel is faster (H200, torch 2.11 + CUDA 13, a one-off timing run whose script
+# is not in the repository: 0.07 ms against 0.27 ms at M = 1 on 1024 x 4096; 0.26 ms against 0.19 ms at M = 2048),
+# and it is also exact on x.
 SCALED_MM_MIN_ROWS = 1024
 
 

@@ -54,8 +54,8 @@ def default_spec(ckpt) -> str:
 
 def build_engine(args, **extra):
     """Load the checkpoint and build an LLMEngine from the parsed flags -> (engine, checkpoint)."""
-    from sparkspec.checkpoint import load_checkpoint
     from sparkspec.engine.llm_engine import LLMEngine
+    from sparkspec.loading.checkpoint import load_checkpoint
 
     model_dir = Path(args.model) if args.model else _default_model()
     if not model_dir.exists():
@@ -73,9 +73,9 @@ def build_parallel_engine(args, model_dir: Path, **extra):
     """--tensor-parallel-size N: ranks 1.. load their slices in their own processes (one per GPU; gloo on CPU)
     and follow rank 0 (`distributed.engine.worker_loop`); rank 0, here, loads its slices and returns the
     `DistributedLLMEngine` the async engine drives, with a heartbeat for the idle ranks."""
-    from sparkspec.checkpoint import load_checkpoint
     from sparkspec.distributed.engine import launch, rank_device
     from sparkspec.engine.llm import LLM, run_rank
+    from sparkspec.loading.checkpoint import load_checkpoint
 
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected a positive integer")
@@ -97,7 +97,7 @@ def build_parallel_engine(args, model_dir: Path, **extra):
 
 
 def _default_model() -> Path:
-    from sparkspec.cli import DEFAULT_MODEL
+    from sparkspec.paths import DEFAULT_MODEL
 
     return DEFAULT_MODEL
 

@@ -58,19 +58,19 @@ def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[st
 
         return NgramProposer(k)
     if method == "dspark":
-        from sparkspec.models.dspark import DSparkDraftModel
+        from sparkspec.loading.drafters import dspark_from_tensors
         from sparkspec.spec_decode.dspark import DSparkProposer
 
         block = default_num_spec_tokens("dspark", model)
-        drafter = _place(DSparkDraftModel.from_tensors(model.cfg, tensors), model)
+        drafter = _place(dspark_from_tensors(model.cfg, tensors), model)
         if k > block:
             warnings.warn(f"num_spec_tokens = {k} > dspark_block_size = {block}: draft positions {block + 1}..{k} "
                           "were never trained and will rarely be accepted", stacklevel=2)
         return DSparkProposer(model, drafter, k)
-    from sparkspec.models.mtp import MTPDraftModel
+    from sparkspec.loading.drafters import mtp_from_tensors
     from sparkspec.spec_decode.mtp import MTPProposer
 
-    drafter = _place(MTPDraftModel.from_tensors(model.cfg, tensors), model)
+    drafter = _place(mtp_from_tensors(model.cfg, tensors), model)
     if k > drafter.num_layers:
         warnings.warn(f"num_spec_tokens = {k} > MTP layers = {drafter.num_layers}: draft positions "
                       f"{drafter.num_layers + 1}..{k} reuse a layer trained for an earlier position and will rarely "

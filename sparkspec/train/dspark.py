@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from sparkspec.config import ModelConfig
-from sparkspec.models.dspark import DSparkDraftModel, context_rows, init_dspark_tensors
+from sparkspec.loading.drafters import dspark_from_tensors
+from sparkspec.loading.random_init import init_dspark_tensors
+from sparkspec.models.dspark import DSparkDraftModel, context_rows
 from sparkspec.train import common
 from sparkspec.train.features import Sequences, TargetFeatures
 
@@ -134,7 +136,7 @@ def init_drafter(cfg: ModelConfig, seed: int) -> DSparkDraftModel:
             t.mul_(0.05)
         elif name.endswith(("attn.wo_b.weight", ".w2.weight")):
             t.mul_(1.0 / math.sqrt(2 * cfg.num_dspark_layers))
-    return DSparkDraftModel.from_tensors(cfg, tensors)
+    return dspark_from_tensors(cfg, tensors)
 
 
 def train_dspark(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes: float | None = None,
@@ -152,41 +154,22 @@ def train_dspark(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes
     feats = compute_features(target, seqs, tuple(cfg.dspark_target_layer_ids))
     drafter = init_drafter(cfg, seed).to(dev).train()
     opt = common.adamw(drafter.parameters(), lr)
-    log = common.RunLog()
-    step, elapsed_before = common.resume(Path(out_dir) / "dspark_state", drafter, opt, log)
-    budget = common.Budget(steps, minutes, elapsed_before=elapsed_before)
-    bar = common.progress_bar(steps, "dspark")
-    bar.update(step)
-    order = torch.randperm(seqs.num_seqs, generator=gen).tolist()
-    cursor = 0
-    while not budget.done(step):
-        common.set_lr(opt, lr * budget.lr_scale(step))
-        if cursor + batch_size > len(order):
-            order, cursor = torch.randperm(seqs.num_seqs, generator=gen).tolist(), 0
-        bb = sample_blocks(seqs, order[cursor : cursor + batch_size], k, anchors, cfg.dspark_noise_token_id, gen)
-        cursor += batch_size
-        with common.autocast(dev):
-            out, target_logits = block_forward(drafter, target, feats, bb, dev)
-        terms = dspark_loss(out.markov_logits, out.confidence_logits, target_logits, bb.labels.to(dev),
-                            bb.mask.to(dev))
-        common.optimizer_step(opt, drafter, terms["loss"])
-        step += 1
-        if step % 10 == 0 or step == 1:
-            vals = {n: v.item() for n, v in terms.items()}
-            log.add(step, budget.elapsed, **vals)
-            bar.set_postfix(loss=f"{vals['loss']:.3f}", acc=f"{vals['accept']:.3f}")
-            if bar.disable and step % 100 == 0:
-                print(f"dspark step {step} " + " ".join(f"{n} {v:.4f}" for n, v in vals.items())
-                      + f" {budget.elapsed:.0f}s", flush=True)
-        bar.update(1)
-        if save_every and step % save_every == 0:
-            common.save_state(Path(out_dir) / "dspark_state", step, drafter.state_dict(), opt, budget.elapsed,
-                              log.entries)
-    bar.close()
+    loop = common.TrainLoop("dspark", drafter, opt, lr, steps, minutes, dev, Path(out_dir) / "dspark_state",
+                            save_every)
+    batches = common.epoch_batches(seqs.num_seqs, batch_size, gen)
+
+    def loss_terms() -> dict[str, torch.Tensor]:
+        bb = sample_blocks(seqs, next(batches), k, anchors, cfg.dspark_noise_token_id, gen)
+        out, target_logits = block_forward(drafter, target, feats, bb, dev)
+        return dspark_loss(out.markov_logits, out.confidence_logits, target_logits, bb.labels.to(dev),
+                           bb.mask.to(dev))
+
+    loop.run(loss_terms)
+    step, log = loop.step, loop.log
     stages = [f"mtp.{i}." for i in range(drafter.num_layers)]
     save_drafter(Path(model_dir), Path(out_dir), ck, drafter.state_dict(), stages)
     (Path(out_dir) / "dspark_state" / common.STATE_FILE).unlink(missing_ok=True)
-    meta = {"steps": step, "time_s": round(budget.elapsed, 1), "sequences": seqs.num_seqs,
+    meta = {"steps": step, "time_s": round(loop.budget.elapsed, 1), "sequences": seqs.num_seqs,
             "train_tokens": int(seqs.ids.numel()), "batch_size": batch_size, "anchors": anchors, "lr": lr,
             "block_size": k, "params_m": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 3)}
     log.write(Path(out_dir) / "train_log_dspark.json", **meta)

@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparkspec.models.mtp import MTPDraftModel, init_mtp_tensors
+from sparkspec.loading.drafters import mtp_from_tensors
+from sparkspec.loading.random_init import init_mtp_tensors
+from sparkspec.models.mtp import MTPDraftModel
 from sparkspec.ops import ops
 from sparkspec.ops.indices import swa_index_width
 from sparkspec.train import common
@@ -36,7 +38,7 @@ def init_mtp(cfg, seed: int) -> MTPDraftModel:
     for name, t in tensors.items():
         if name.endswith(("attn.wo_b.weight", ".w2.weight")):
             t.mul_(1.0 / math.sqrt(2))
-    return MTPDraftModel.from_tensors(cfg, tensors)
+    return mtp_from_tensors(cfg, tensors)
 
 
 def causal_window_indices(query_pos: torch.Tensor, pool_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -138,38 +140,15 @@ def train_mtp(model_dir: Path, data: Path, out_dir: Path, steps: int, minutes: f
     feats = compute_features(target, seqs, (), with_streams=True)
     model = init_mtp(cfg, seed).to(dev).train()
     opt = common.adamw(model.parameters(), lr)
-    log = common.RunLog()
-    step, elapsed_before = common.resume(Path(out_dir) / "mtp_state", model, opt, log)
-    budget = common.Budget(steps, minutes, elapsed_before=elapsed_before)
-    bar = common.progress_bar(steps, "mtp")
-    bar.update(step)
-    order, cursor = torch.randperm(seqs.num_seqs, generator=gen).tolist(), 0
-    while not budget.done(step):
-        common.set_lr(opt, lr * budget.lr_scale(step))
-        if cursor + batch_size > len(order):
-            order, cursor = torch.randperm(seqs.num_seqs, generator=gen).tolist(), 0
-        with common.autocast(dev):
-            terms = mtp_loss(model, target, feats, seqs, order[cursor : cursor + batch_size], dev, unroll)
-        cursor += batch_size
-        common.optimizer_step(opt, model, terms["loss"])
-        step += 1
-        if step % 10 == 0 or step == 1:
-            vals = {n: float(v.detach()) for n, v in terms.items()}
-            log.add(step, budget.elapsed, **vals)
-            bar.set_postfix(loss=f"{vals['loss']:.3f}")
-            if bar.disable and step % 100 == 0:
-                print(f"mtp step {step} " + " ".join(f"{n} {v:.4f}" for n, v in vals.items())
-                      + f" {budget.elapsed:.0f}s", flush=True)
-        bar.update(1)
-        if save_every and step % save_every == 0:
-            common.save_state(Path(out_dir) / "mtp_state", step, model.state_dict(), opt, budget.elapsed,
-                              log.entries)
-    bar.close()
+    loop = common.TrainLoop("mtp", model, opt, lr, steps, minutes, dev, Path(out_dir) / "mtp_state", save_every)
+    batches = common.epoch_batches(seqs.num_seqs, batch_size, gen)
+    loop.run(lambda: mtp_loss(model, target, feats, seqs, next(batches), dev, unroll))
+    step, log = loop.step, loop.log
     first = mtp_first_stage(cfg)
     stages = [f"mtp.{first + j}." for j in range(model.num_layers)]
     save_drafter(Path(model_dir), Path(out_dir), ck, model.state_dict(), stages)
     (Path(out_dir) / "mtp_state" / common.STATE_FILE).unlink(missing_ok=True)
-    meta = {"steps": step, "time_s": round(budget.elapsed, 1), "sequences": seqs.num_seqs, "unroll": unroll,
+    meta = {"steps": step, "time_s": round(loop.budget.elapsed, 1), "sequences": seqs.num_seqs, "unroll": unroll,
             "batch_size": batch_size, "lr": lr,
             "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 3)}
     log.write(Path(out_dir) / "train_log_mtp.json", **meta)

@@ -26,8 +26,8 @@ from sparkspec.train import common
 
 def init_target(cfg: ModelConfig, seed: int) -> DeepseekV4Model:
     """fp32 model with the random-checkpoint init, head and residual outputs scaled down for training."""
-    from sparkspec.checkpoint import random_target_tensors
-    from sparkspec.models.weights import load_state
+    from sparkspec.loading.random_init import random_target_tensors
+    from sparkspec.loading.state import load_state
 
     tensors = random_target_tensors(cfg, torch.Generator().manual_seed(seed))
     depth_scale = 1.0 / math.sqrt(2 * cfg.num_hidden_layers)
@@ -87,7 +87,7 @@ def train_target(cfg: ModelConfig, data: Path, out_dir: Path, tokenizer_dir: Pat
     Held-out loss: on `heldout` (default: `heldout.npy` beside `data`, written by `train data`; else the last
     1 % of `data`), in nats per token and, with `counts.json` beside it, in bits per byte. `compile`: run the
     elementwise-heavy ops through torch.compile (default: on accelerators)."""
-    from sparkspec.checkpoint import write_checkpoint
+    from sparkspec.loading.save import write_checkpoint
 
     dev = common.pick_device(device)
     common.use_native_ops(compile=dev.type != "cpu" if compile is None else compile)
@@ -105,39 +105,21 @@ def train_target(cfg: ModelConfig, data: Path, out_dir: Path, tokenizer_dir: Pat
     model = init_target(cfg, seed).to(dev)
     model.train()
     opt = common.adamw(model.parameters(), lr, weight_decay=0.1)
-    log = common.RunLog()
-    step, elapsed_before = common.resume(out_dir, model, opt, log)
-    rng = np.random.default_rng(seed + step)
-    budget = common.Budget(steps, minutes, elapsed_before=elapsed_before)
-    bar = common.progress_bar(steps, "target")
-    bar.update(step)
     tokens_per_step = batch_size * seq_len
-    timer = common.Throughput(tokens_per_step)
-    while not budget.done(step):
-        common.set_lr(opt, lr * budget.lr_scale(step))
+    loop = common.TrainLoop("target", model, opt, lr, steps, minutes, dev, out_dir, save_every, tokens_per_step)
+    rng = np.random.default_rng(seed + loop.step)
+
+    def loss_terms() -> dict[str, torch.Tensor]:
         batch = pack_windows(train_stream, rng.integers(0, len(train_stream) - seq_len - 1, size=batch_size),
                              seq_len, cfg.bos_token_id)
-        with common.autocast(dev):
-            loss = batch.loss(model)
-        gnorm = common.optimizer_step(opt, model, loss)
-        step += 1
-        timer.step(step)
-        if step % 10 == 0 or step == 1:
-            log.add(step, budget.elapsed, loss=loss.item(), grad_norm=gnorm.item(), lr=opt.param_groups[0]["lr"],
-                    tokens_per_s=timer.rate)
-            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{timer.rate:.0f}")
-            if bar.disable and step % 100 == 0:
-                print(f"step {step} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                      f"{timer.rate:.0f} tok/s {budget.elapsed:.0f}s", flush=True)
-        bar.update(1)
-        if save_every and step % save_every == 0:
-            common.save_state(out_dir, step, model.state_dict(), opt, budget.elapsed, log.entries)
-    bar.close()
-    train_time = budget.elapsed
+        return {"loss": batch.loss(model)}
+
+    loop.run(loss_terms)
+    step, log, train_time = loop.step, loop.log, loop.budget.elapsed
     model.eval()
     val = evaluate_lm(model, val_stream, batch_size, seq_len, dev, cfg.bos_token_id)
     meta = {"steps": step, "time_s": round(train_time, 1), "batch_size": batch_size, "seq_len": seq_len,
-            "tokens_seen": step * tokens_per_step, "tokens_per_s": round(timer.rate), "lr": lr, "val_loss": val,
+            "tokens_seen": step * tokens_per_step, "tokens_per_s": round(loop.tokens_per_s), "lr": lr, "val_loss": val,
             "val_bits_per_byte": bits_per_byte(val, heldout), "data": str(data),
             "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 3)}
     if write:
@@ -182,9 +164,9 @@ def regenerate(model_dir: Path, prompts: Path, out: Path, max_tokens: int, tempe
                device: str | None = None) -> int:
     """Answer every prompt of `prompts` (JSONL with prompt_token_ids) with the target, cycling through
     `temperatures` (0 = greedy). Writes {"id", "prompt_token_ids", "output_token_ids", "temperature"}."""
-    from sparkspec.checkpoint import load_checkpoint
     from sparkspec.engine.config import EngineConfig
     from sparkspec.engine.llm_engine import LLMEngine
+    from sparkspec.loading.checkpoint import load_checkpoint
     from sparkspec.sampling_params import SamplingParams
     from sparkspec.train.data import read_jsonl
 
@@ -205,7 +187,7 @@ def regenerate(model_dir: Path, prompts: Path, out: Path, max_tokens: int, tempe
     for b in range(0, len(rows), batch_size):
         group = rows[b : b + batch_size]
         params = []
-        for j, r in enumerate(group):
+        for j in range(len(group)):
             t = temperatures[(b + j + index) % len(temperatures)]
             params.append(SamplingParams(max_tokens=max_tokens, temperature=t, seed=seed + b + j + 7919 * index))
         seqs = engine.generate([r["prompt_token_ids"] for r in group], params)
