@@ -5,7 +5,8 @@ carry their neutral value (e.g. `best_of: 1`, `presence_penalty: 0`). Bookkeepin
 
 Extension `speculative` (any request): `{"num_spec_tokens": K}` verifies at most K drafts per step for this
 request (0..the server's k), `{"enabled": false}` turns drafting off for it; absent, the server's setting.
-Speculation never changes what is sampled, only how fast.
+Speculation never changes the distribution sampled from, only how fast (greedy tokens are identical; seeded
+sampled tokens are not draw for draw, since the draws follow the number of drafts verified).
 
 Extension `sparkspec` (any request): `{"token_sources": true}` makes every choice (and every streamed chunk's
 choice) carry `"sparkspec": {"token_sources", "token_texts", "spec"}`: how each output token came (see
