@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from sparkspec.paths import DEFAULT_MODEL
+from sparkspec.spec_decode.methods import SPEC_METHODS
 
 
 class UserError(Exception):
@@ -54,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--spec", choices=["none", "dspark", "mtp", "ngram"], default=None,
+    g.add_argument("--spec", choices=SPEC_METHODS, default=None,
                    help="speculative method (default: dspark when the checkpoint has DSpark weights)")
     g.add_argument("--num-spec-tokens", type=int, default=None)
-    g.add_argument("--spec-budget", choices=["fixed", "adaptive"], default="fixed",
+    g.add_argument("--spec-budget", choices=["adaptive", "fixed"], default="adaptive",
                    help="fixed: always draft k tokens; adaptive: the engine's measured verification budget")
     g.add_argument("--device", default=None)
     g.add_argument("--quantization", choices=["auto", "keep", "dequantize"], default="auto", help="FP8 / FP4 checkpoint weights: keep them quantised (FP8 GEMMs, FP4 experts), dequantize them to --dtype, or auto (keep on GPUs, dequantize on CPU)")
@@ -164,7 +165,7 @@ def cmd_generate(args) -> int:
         raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected a positive integer")
     tp = args.tensor_parallel_size
     if tp > 1:
-        from sparkspec.distributed.engine import rank_device
+        from sparkspec.engine.lockstep import rank_device
 
         device = rank_device(0, args.device)
     if tp > 1:  # every rank loads its own slices once the group exists; prompts are sized from the config
@@ -184,8 +185,8 @@ def cmd_generate(args) -> int:
                       enforce_eager=args.enforce_eager, expert_parallel=args.enable_expert_parallel)
     pg = None
     if tp > 1:  # ranks 1.. load and shard the same checkpoint in their own processes and follow rank 0
-        from sparkspec.distributed.engine import launch
         from sparkspec.engine.llm import run_rank
+        from sparkspec.engine.lockstep import launch
 
         pg = launch(tp, run_rank, (str(args.model), args.device, None, llm_kwargs, args.quantization), device)
         ckpt = load_checkpoint(args.model, device=device, progress=True, parallel=pg,
@@ -199,7 +200,7 @@ def cmd_generate(args) -> int:
         raise UserError(str(e).splitlines()[0]) from None
     finally:
         if pg is not None:
-            from sparkspec.distributed.engine import finish
+            from sparkspec.engine.lockstep import finish
 
             finish(llm.engine if llm is not None else None)
     total = time.perf_counter() - t0

@@ -304,10 +304,6 @@ class ModelConfig:
         return cls.from_file(path)
 
 
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
-
-
 def yarn_inv_freq(dim: int, base: float, yarn: YarnConfig | None):
     """Inverse RoPE frequencies for `dim` rotary dims; YaRN-interpolated when `yarn` is given."""
     import torch

@@ -101,7 +101,7 @@ class Caches:
 
     def __init__(self, model: DeepseekV4Model, num_seqs: int = 1, max_len: int = 256, block_size: int = 16):
         self.model = model
-        self.cache, self.tables = KVCache.for_sequences(model, num_seqs, max_len, block_size)
+        self.cache, self.tables = KVCache.for_lengths(model, [max_len] * num_seqs, block_size)
         self.lengths = [0] * num_seqs
 
     def forward(self, ids: torch.Tensor, num_tokens: list[int], seqs: list[int] | None = None,

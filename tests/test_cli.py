@@ -145,13 +145,13 @@ def test_a_bad_device_from_the_shell(unreadable_checkpoint):
 def test_a_failing_engine_under_tensor_parallelism_reports_its_own_error(capsys, monkeypatch, tiny_checkpoint):
     """`LLM(...)` failing on rank 0: the other ranks are still stopped, and the error shown is that failure (the
     group is faked: one rank, no processes)."""
-    import sparkspec.distributed.engine as dist_engine
     import sparkspec.engine.llm
+    import sparkspec.engine.lockstep as lockstep
     from sparkspec.distributed import ParallelGroup
 
     finished = []
-    monkeypatch.setattr(dist_engine, "launch", lambda *a, **k: ParallelGroup(0, 1))
-    monkeypatch.setattr(dist_engine, "finish", finished.append)
+    monkeypatch.setattr(lockstep, "launch", lambda *a, **k: ParallelGroup(0, 1))
+    monkeypatch.setattr(lockstep, "finish", finished.append)
 
     def failing_llm(*a, **k):
         raise ValueError("max_model_len = 3: the engine refused it")

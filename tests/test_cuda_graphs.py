@@ -15,6 +15,7 @@ from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.cuda_graphs import capture_sizes
 from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.sampling_params import SamplingParams
+from sparkspec.spec_decode.methods import SPEC_METHODS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # A near-tie in bf16: the tiny model's logits reach ~15, where one bf16 ulp is 2**-4, so 8 ulps; a token taken by
@@ -47,7 +48,7 @@ def test_capture_sizes():
     assert capture_sizes(5) == [1, 2, 4, 5]
 
 
-@pytest.mark.parametrize("method", ["none", "dspark", "mtp", "ngram", "replay"])
+@pytest.mark.parametrize("method", [*SPEC_METHODS, "replay"])
 def test_static_padded_steps_equal_dynamic_steps(method):
     cfg, model, tensors = tiny_setup()
     prompts = mixed_prompts(cfg.vocab_size, LENGTHS, seed=4)

@@ -7,6 +7,7 @@ from sparkspec.engine.llm import LLM
 from sparkspec.loading.checkpoint import load_checkpoint
 from sparkspec.paths import DEFAULT_MODEL
 from sparkspec.sampling_params import SamplingParams
+from sparkspec.spec_decode.methods import DRAFT_METHODS
 from sparkspec.spec_decode.metrics import SpecMetrics
 
 PROMPTS = ["Write a haiku about the sea.", "What is 17 times 23?", "def fibonacci(n):"]
@@ -29,7 +30,7 @@ def test_demo_has_both_drafters(demo):
     assert any(k.endswith("e_proj.weight") for k in ckpt.drafter_tensors)
 
 
-@pytest.mark.parametrize("method", ["dspark", "mtp", "ngram"])
+@pytest.mark.parametrize("method", DRAFT_METHODS)
 def test_demo_greedy_is_identical_with_and_without_speculation(demo, method):
     ckpt, ids, plain = demo
     llm = LLM(ckpt, method, spec_budget="fixed", **ENGINE)

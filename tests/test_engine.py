@@ -19,7 +19,7 @@ from sparkspec.engine.budget import (
     verify_lengths,
 )
 from sparkspec.engine.config import EngineConfig
-from sparkspec.engine.kv_cache import cache_bytes_per_token, parse_memory, plan_kv_cache
+from sparkspec.engine.kv_plan import cache_bytes_per_token, parse_memory, plan_kv_cache
 from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.ops.sampling import SamplingTensors

@@ -12,9 +12,10 @@ from test_engine import OracleProposer, ckpt, engine, prompts, reference  # noqa
 from test_step_ops import SYNC_OPS, OpCounter
 
 from sparkspec.engine.config import EngineConfig
-from sparkspec.engine.kv_cache import cache_bytes_per_token
+from sparkspec.engine.kv_plan import cache_bytes_per_token
 from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.sampling_params import SamplingParams
+from sparkspec.spec_decode.methods import DRAFT_METHODS
 
 TOP = 3
 LP = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=TOP)
@@ -30,7 +31,7 @@ def plain_logprobs(ckpt, prompts):  # noqa: F811
     return [o.logprobs for o in engine(ckpt).generate(prompts, LP)]
 
 
-@pytest.mark.parametrize("spec", ["dspark", "mtp", "ngram", "oracle"])
+@pytest.mark.parametrize("spec", [*DRAFT_METHODS, "oracle"])
 def test_logprobs_under_speculation_equal_plain_greedy(ckpt, prompts, reference, plain_logprobs, spec):  # noqa: F811
     """The oracle drafter is often right, so most emitted tokens come from verify rows 1..L."""
     refs = {tuple(p): r for p, r in zip(prompts, reference)}

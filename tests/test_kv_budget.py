@@ -11,7 +11,7 @@ import torch
 from spec_helpers import drafter_tensors, one_thread, random_target, tiny_config  # noqa: F401
 
 from sparkspec.engine.config import EngineConfig
-from sparkspec.engine.kv_cache import cache_bytes_per_token, plan_kv_cache
+from sparkspec.engine.kv_plan import cache_bytes_per_token, plan_kv_cache
 from sparkspec.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,10 +62,10 @@ def test_latents_are_priced_in_the_loaded_dtype():
 
 def test_a_share_of_free_memory_covers_the_overhead_too(monkeypatch):
     """`--kv-cache-fraction` and the default cap bound everything allocated, q_store and scratch block included."""
-    import sparkspec.engine.kv_cache as kv_cache
+    import sparkspec.engine.kv_plan as kv_plan
 
     cfg = tiny_config()
-    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device="cpu": 4 << 20)
+    monkeypatch.setattr(kv_plan, "available_memory_bytes", lambda device="cpu": 4 << 20)
     q_store = {"q_store": 64 * 5 * cfg.vocab_size * 4}  # 1.3 MB of the 4 MB
     for kw in ({"memory_fraction": 0.5}, {"max_model_len": cfg.max_position_embeddings}):
         plan = plan_kv_cache(cfg, block_size=16, max_num_seqs=64, buffer_bytes=q_store, **kw)

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from conftest import DEVICE, random_ids, run_full, tiny_config
+from helpers import quantize_fp4, quantize_fp8_block
 from safetensors.torch import save_file
 from test_weights import write_raw
 
@@ -24,7 +25,7 @@ from sparkspec.loading.save import write_checkpoint
 from sparkspec.loading.state import load_state
 from sparkspec.loading.stream import read_tensors
 from sparkspec.models.deepseek_v4 import DeepseekV4Model, Rotary
-from sparkspec.ops.formats import dequant_fp4, dequant_fp8_block, quantize_fp4, quantize_fp8_block
+from sparkspec.ops.formats import dequant_fp4, dequant_fp8_block
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -376,7 +376,7 @@ def test_attention_kind_matches_dense_reference(layer_id):
     attn = model.layers[layer_id].attn
     x = rand(37, model.cfg.hidden_size, seed=layer_id)  # > window, several blocks of ratio 4 and 8
     with torch.no_grad():
-        cache, tables = KVCache.for_sequences(model, 1, 37)
+        cache, tables = KVCache.for_lengths(model, [37])
         got = attn(x, build_batch(cache, [0] * 37, tables, [0], [37], None, model.compress_ratios))
         want = naive_layer_attention(attn, x)
     close(got, want, tol=1e-4)
@@ -391,7 +391,7 @@ def test_compressor_emits_entries_exactly_at_block_boundaries(layer_id, block_si
     attn = model.layers[layer_id].attn
     T, r = 26, attn.ratio
     x = rand(T, model.cfg.hidden_size, seed=5)
-    cache, tables = KVCache.for_sequences(model, 1, T, block_size)
+    cache, tables = KVCache.for_lengths(model, [T], block_size)
     pools = cache.layers[layer_id]
     e = -(-block_size // r)
 

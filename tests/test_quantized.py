@@ -21,6 +21,7 @@ from conftest import DEVICE, random_ids, run_full, tiny_config
 if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process
 
+from helpers import quantize_fp8_block, quantized_bytes
 from test_loading import quantised, write_shards
 from test_triton_kernels import assert_close
 
@@ -28,10 +29,10 @@ from sparkspec.distributed import ParallelGroup
 from sparkspec.loading import CheckpointError
 from sparkspec.loading.checkpoint import load_checkpoint
 from sparkspec.loading.plan import TensorSource, keep_problem
-from sparkspec.loading.quantized import Fp4Linear, Fp8Linear, keep_quantized_, quantized_bytes
+from sparkspec.loading.quantized import Fp4Linear, Fp8Linear, keep_quantized_
 from sparkspec.loading.random_init import random_target_tensors
 from sparkspec.ops import moe
-from sparkspec.ops.formats import Quantized, dequant_fp4, quantize_fp8_block
+from sparkspec.ops.formats import Quantized, dequant_fp4
 from sparkspec.ops.quant import fp8_block_linear
 
 triton_quant = pytest.importorskip("sparkspec.ops.triton_kernels.quant")

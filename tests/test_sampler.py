@@ -10,11 +10,11 @@ import os
 
 import pytest
 import torch
+from helpers import sample_tokens, sampling_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparkspec.ops.rng import philox, to_unit, uniform, uniform_at
-from sparkspec.ops.sampling import (STREAM_DRAFT, STREAM_TARGET, SamplingTensors, process_logits, sample,
-                                    sample_tokens)
+from sparkspec.ops.sampling import STREAM_DRAFT, STREAM_TARGET, SamplingTensors, process_logits, sample
 from sparkspec.sampling_params import SamplingParams as SP
 from sparkspec.spec_decode.rejection import RejectionSampler
 
@@ -185,7 +185,7 @@ def mixed_params():
 
 def test_sample_tokens_greedy_takes_lowest_argmax():
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]], device=DEVICE)
-    st = SamplingTensors.from_params([SP(), SP()], DEVICE, [1, 2])
+    st = sampling_tensors([SP(), SP()], DEVICE, [1, 2])
     assert sample_tokens(logits, st, seeds_of(2)).tolist() == [1, 0]
 
 
@@ -195,24 +195,24 @@ def test_sample_tokens_same_seed_same_tokens_in_any_batch():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(steps, len(params), V, generator=g).to(DEVICE) * 2
     pos = torch.tensor([5, 17, 3, 40, 9, 2, 33], device=DEVICE)
-    st = SamplingTensors.from_params(params, DEVICE, seeds)
+    st = sampling_tensors(params, DEVICE, seeds)
     perm = torch.tensor([3, 6, 0, 5, 1, 4, 2], device=DEVICE)
-    st_perm = SamplingTensors.from_params([params[i] for i in perm.tolist()], DEVICE, [seeds[i] for i in perm.tolist()])
+    st_perm = sampling_tensors([params[i] for i in perm.tolist()], DEVICE, [seeds[i] for i in perm.tolist()])
     for s in range(steps):
         batch = sample_tokens(logits[s], st, pos + s)
         assert torch.equal(sample_tokens(logits[s, perm], st_perm, pos[perm] + s), batch[perm])
         for r in range(len(params)):
-            alone = SamplingTensors.from_params([params[r]], DEVICE, [seeds[r]])
+            alone = sampling_tensors([params[r]], DEVICE, [seeds[r]])
             assert torch.equal(sample_tokens(logits[s, r : r + 1], alone, pos[r : r + 1] + s), batch[r : r + 1])
 
 
 def test_sampling_tensors_seeds_and_helpers():
-    st = SamplingTensors.from_params([SP(seed=7), SP(temperature=1.0), SP(seed=2**64 - 1)], DEVICE, [1, 2, 3])
+    st = sampling_tensors([SP(seed=7), SP(temperature=1.0), SP(seed=2**64 - 1)], DEVICE, [1, 2, 3])
     assert st.seeds.tolist() == [7, 2, -1] and not st.all_greedy and not st.any_top_k
     assert st.repeat_interleave(2).seeds.tolist() == [7, 7, 2, 2, -1, -1]
     assert st.index_select(torch.tensor([2, 0], device=DEVICE)).seeds.tolist() == [-1, 7]
     with pytest.raises(ValueError, match="seed"):
-        SamplingTensors.from_params([SP()], DEVICE)
+        sampling_tensors([SP()], DEVICE)
 
 
 # ---------------------------------------------------------------- rejection sampler: distribution
@@ -276,7 +276,7 @@ def test_rejection_sampler_preserves_target_distribution(drafter, params):
     V, N, K, b = 6, 24_000, 3, 2
     kind, one_hot = DRAFTERS[drafter]
     logits_P = markov(V, 1, 1.5).log()
-    st = SamplingTensors.from_params([params] * N, DEVICE, list(range(N)))
+    st = sampling_tensors([params] * N, DEVICE, list(range(N)))
     P = process_logits(logits_P, st.temperature[:V], st.top_k[:V], st.top_p[:V])  # processed target
     Q = {"good": 0.8 * P + 0.2 / V, "bad": markov(V, 2, 2.0), "target": P,
          "broken": markov(V, 2, 2.0).index_fill(0, torch.tensor([0, 3], device=DEVICE), float("nan"))}[kind]
@@ -324,7 +324,7 @@ GREEDY_CASES = {  # name: (drafts, want num_accepted, want output ids)
 @pytest.mark.parametrize("with_probs", [False, True])
 def test_greedy_cases(case, with_probs):
     drafts, want_L, want = GREEDY_CASES[case]
-    st = SamplingTensors.from_params([SP()], DEVICE, [0])
+    st = sampling_tensors([SP()], DEVICE, [0])
     q = torch.full((1, 4, 8), 1 / 8, device=DEVICE) if with_probs else None  # ignored by greedy requests
     out, L = RejectionSampler()(greedy_logits(1), torch.tensor([drafts], device=DEVICE), q, st, seeds_of(1, 9))
     assert L.tolist() == [want_L] and out.tolist() == [want]
@@ -347,14 +347,14 @@ def test_mixed_batch_same_seed_same_tokens_in_any_batch(with_probs):
     params, seeds, logits, drafts, q = mixed_batch()
     q = q if with_probs else None
     pos = torch.tensor([4, 8, 15, 16, 23, 42, 7], device=DEVICE)
-    st = SamplingTensors.from_params(params, DEVICE, seeds)
+    st = sampling_tensors(params, DEVICE, seeds)
     out, L = RejectionSampler()(logits, drafts, q, st, pos)
     cases = list(GREEDY_CASES.values())
     for r in (0, 4):  # greedy rows verify exactly as alone
         assert out[r].tolist() == cases[r][2] and int(L[r]) == cases[r][1]
     for r in range(len(params)):  # alone, with only as many columns as it has drafts
         k = max(int((drafts[r] >= 0).sum()), 0)
-        alone = SamplingTensors.from_params([params[r]], DEVICE, [seeds[r]])
+        alone = sampling_tensors([params[r]], DEVICE, [seeds[r]])
         qr = q[r : r + 1, :k] if q is not None else None
         o, l = RejectionSampler()(logits[r : r + 1, : k + 1], drafts[r : r + 1, :k], qr, alone, pos[r : r + 1])
         assert int(l[0]) == int(L[r]) and o[0].tolist() == out[r, : k + 1].tolist()
@@ -363,7 +363,7 @@ def test_mixed_batch_same_seed_same_tokens_in_any_batch(with_probs):
 
 def test_zero_draft_rows_match_sample_tokens():
     params, seeds, logits, _, q = mixed_batch()
-    st = SamplingTensors.from_params(params, DEVICE, seeds)
+    st = sampling_tensors(params, DEVICE, seeds)
     pos = seeds_of(len(params), 30)
     for K in (0, 3):
         none = torch.full((len(params), K), -1, device=DEVICE)
@@ -403,14 +403,14 @@ def test_op_log_sees_syncs():
 
 def test_no_host_sync():
     params, seeds, logits, drafts, q = mixed_batch()
-    st = SamplingTensors.from_params(params, DEVICE, seeds)
+    st = sampling_tensors(params, DEVICE, seeds)
     pos = seeds_of(len(params), 3)
     with OpLog() as log:
         process_logits(logits[:, 0], st.temperature, st.top_k, st.top_p)
         sample_tokens(logits[:, 0], st, pos)
         RejectionSampler()(logits, drafts, q, st, pos)
         RejectionSampler()(logits, drafts, None, st, pos)
-        greedy = SamplingTensors.from_params([SP()] * len(params), DEVICE, seeds)
+        greedy = sampling_tensors([SP()] * len(params), DEVICE, seeds)
         RejectionSampler()(logits, drafts, None, greedy, pos)
     assert len(log.ops) > 50 and syncs(log) == []
 
@@ -428,7 +428,7 @@ def test_tiny_temperatures_are_greedy_on_host_and_device():
     assert MIN_TEMPERATURE == 1e-5 and not SP(temperature=MIN_TEMPERATURE).greedy
     params = [SP(temperature=t, **f) for t in TINY_TEMPERATURES for f in EDGE_FILTERS]
     assert all(p.greedy and p.device_temperature == 0.0 for p in params)
-    st = SamplingTensors.from_params(params, DEVICE, list(range(len(params))))
+    st = sampling_tensors(params, DEVICE, list(range(len(params))))
     assert st.all_greedy and not st.any_top_k and not st.any_top_p and (st.temperature == 0).all()
     # a direct caller handing the raw temperatures to the device gets greedy rows too
     V = 32
@@ -448,7 +448,7 @@ def test_tiny_temperatures_verify_like_greedy():
     drafts, want_L, want = GREEDY_CASES["mismatch_at_2"]
     params = [SP(temperature=1.0)] + [SP(temperature=t, **f) for t in TINY_TEMPERATURES for f in EDGE_FILTERS[:3]]
     R = len(params)
-    st = SamplingTensors.from_params(params, DEVICE, list(range(R)))
+    st = sampling_tensors(params, DEVICE, list(range(R)))
     assert not st.all_greedy
     q = torch.full((R, 4, 8), 1 / 8, device=DEVICE)
     out, L, ok = RejectionSampler().verify(greedy_logits(R), torch.tensor([drafts] * R, device=DEVICE), q, st,
@@ -462,7 +462,7 @@ def test_filters_at_their_edges_give_the_argmax():
     logits = torch.randn(6, V, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     for f in (dict(top_k=1), dict(top_p=5e-324), dict(top_p=1e-300), dict(top_p=1e-30, top_k=3)):
         params = [SP(temperature=t, **f) for t in (1e-5, 0.5, 1.0, 2.0, 1.0, 1.0)]
-        st = SamplingTensors.from_params(params, DEVICE, list(range(6)))
+        st = sampling_tensors(params, DEVICE, list(range(6)))
         assert torch.equal(sample_tokens(logits, st, seeds_of(6, 3)), logits.argmax(-1)), f
 
 
@@ -483,7 +483,7 @@ def test_is_finite_dist_names_every_kind_of_broken_row():
     from sparkspec.ops.sampling import is_finite_dist, probs_for
 
     x, want = bad_rows()
-    st = SamplingTensors.from_params([SP(temperature=0.5)] * 6, DEVICE, list(range(6)))
+    st = sampling_tensors([SP(temperature=0.5)] * 6, DEVICE, list(range(6)))
     assert is_finite_dist(x, probs_for(x, st)).tolist() == want
     assert is_finite_dist(x).tolist() == [True, False, False, False, True, True]  # greedy: 3e38 is a fine argmax
 
@@ -508,7 +508,7 @@ def test_rows_that_are_not_finite_are_flagged_alone(greedy, with_probs):
     x, finite = bad_rows(V)
     R = 6
     T = 0.0 if greedy else 0.5
-    st = SamplingTensors.from_params([SP(temperature=T)] * R, DEVICE, [7 * r for r in range(R)])
+    st = sampling_tensors([SP(temperature=T)] * R, DEVICE, [7 * r for r in range(R)])
     logits = greedy_logits(R, V) * 0.3
     logits[:, 0] = x  # column 0: the pending token's row; drafts cannot get past a bad one
     drafts = torch.tensor([[3, 1, 4, 1]] * R, device=DEVICE)
@@ -521,7 +521,7 @@ def test_rows_that_are_not_finite_are_flagged_alone(greedy, with_probs):
     assert ((out >= -1) & (out < V)).all()
     assert all(int(L[r]) == 0 for r in range(R) if not want[r])  # never accepted past a broken row
     good = [r for r in range(R) if want[r]]
-    alone = SamplingTensors.from_params([SP(temperature=T)] * len(good), DEVICE, [7 * r for r in good])
+    alone = sampling_tensors([SP(temperature=T)] * len(good), DEVICE, [7 * r for r in good])
     o, l, k = RejectionSampler().verify(logits[good], drafts[good], None if q is None else q[good], alone, pos[good])
     assert k.all() and torch.equal(o, out[good]) and torch.equal(l, L[good])
 
@@ -529,7 +529,7 @@ def test_rows_that_are_not_finite_are_flagged_alone(greedy, with_probs):
 def test_a_broken_row_past_the_rejection_is_never_looked_at():
     """A NaN at a row after the first rejected draft does not fail the request (plain decoding never sees it);
     a NaN at the row that emits does."""
-    st = SamplingTensors.from_params([SP()] * 2, DEVICE, [0, 1])
+    st = sampling_tensors([SP()] * 2, DEVICE, [0, 1])
     logits = greedy_logits(2)
     logits[:, 3] = float("nan")
     drafts = torch.tensor([[3, 0, 4, 1], [3, 1, 4, 1]], device=DEVICE)  # request 0 rejects at column 1
@@ -544,7 +544,7 @@ def test_sample_draft_replaces_broken_rows_by_a_one_hot_draft():
 
     V = 8
     x, finite = bad_rows(V)
-    st = SamplingTensors.from_params([SP(temperature=0.5, seed=3)] * 6, DEVICE)
+    st = sampling_tensors([SP(temperature=0.5, seed=3)] * 6, DEVICE)
     offsets = seeds_of(6, 20)
     ids, q = sample_draft(x, st, offsets, STREAM_DRAFT)
     assert ((ids >= 0) & (ids < V)).all() and torch.isfinite(q).all()
@@ -561,7 +561,7 @@ def test_finiteness_checks_add_no_host_sync():
     from sparkspec.ops.sampling import sample_draft
 
     params, seeds, logits, drafts, q = mixed_batch()
-    st = SamplingTensors.from_params(params, DEVICE, seeds)
+    st = sampling_tensors(params, DEVICE, seeds)
     pos = seeds_of(len(params), 3)
     logits[2, 1] = float("nan")
     with OpLog() as log:

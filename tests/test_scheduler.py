@@ -40,7 +40,7 @@ def run_step(sched, accept=0):
                 del sq.output_ids[sq.params.max_tokens:]
                 sq.num_cached_tokens = min(sq.num_cached_tokens, sq.num_tokens - 1)
                 sq.finish("length")
-    sched.update()
+    sched.release_after_step()
     return out
 
 
@@ -61,7 +61,7 @@ def test_admission_respects_max_num_seqs_and_token_budget():
     out = sched.schedule()
     # seq 0 gets its whole prompt (6), seq 1 a chunk of 2, seq 2 waits (max_num_seqs and budget)
     assert [(x.seq.seq_id, x.num_tokens) for x in out.scheduled] == [(0, 6), (1, 2)]
-    assert out.num_batched_tokens == 8
+    assert sum(s.num_tokens + s.num_lookahead for s in out.scheduled) == 8
     assert seqs[2].status == SequenceStatus.WAITING
 
 
@@ -167,7 +167,7 @@ def test_abort_frees_blocks(where):
     if where != "waiting":
         run_step(sched)
         if where == "running":
-            while s.is_prefill:
+            while s.num_uncomputed_tokens > 1:  # a prompt chunk is left
                 run_step(sched)
         assert s.block_ids
     sched.abort(s)
@@ -186,7 +186,7 @@ def test_lookahead_reserved_and_trimmed():
     assert len(s.block_ids) == sched.block_manager.blocks_for(s.num_cached_tokens + 1 + 3)
     s.num_cached_tokens += 1
     s.output_ids.append(5)  # every draft rejected: only the bonus token
-    sched.update()
+    sched.release_after_step()
     assert len(s.block_ids) == sched.block_manager.blocks_for(s.num_tokens)
 
 

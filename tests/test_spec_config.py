@@ -8,12 +8,13 @@ import pytest
 import torch
 from spec_helpers import drafter_tensors, mixed_prompts, one_thread, tiny_setup  # noqa: F401
 
+from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.loading.drafters import dspark_from_tensors, find_mtp_stages, mtp_from_tensors
 from sparkspec.loading.random_init import init_drafter_tensors
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.engine.config import EngineConfig
-from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.spec_decode import build_proposer
+from sparkspec.spec_decode.methods import DRAFT_METHODS
 from sparkspec.spec_decode.ngram import lookup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,7 +26,7 @@ def generate(model, prompts, params, proposer=None) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("k", [0, -1, 2.5, True])
-@pytest.mark.parametrize("method", ["dspark", "mtp", "ngram"])
+@pytest.mark.parametrize("method", DRAFT_METHODS)
 def test_num_spec_tokens_below_one_is_an_error(method, k):
     _, model, tensors = tiny_setup()
     with pytest.raises(ValueError, match="num_spec_tokens"):

@@ -17,6 +17,7 @@ from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.spec_decode import build_proposer
+from sparkspec.spec_decode.methods import DRAFT_METHODS
 from sparkspec.spec_decode.proposer import HostProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,7 +69,7 @@ def test_plain_engine_equals_one_request_at_a_time(setup):
         assert engine(model, max_num_batched_tokens=8).generate([prompts[i]], params[i])[0].token_ids == reference[i]
 
 
-@pytest.mark.parametrize("method", ["dspark", "mtp", "ngram"])
+@pytest.mark.parametrize("method", DRAFT_METHODS)
 @pytest.mark.parametrize("k", [1, 2, 3, 4])  # 4 = the tiny preset's dspark_block_size
 def test_greedy_equals_plain_decoding(setup, method, k):
     _, model, tensors, prompts, params, reference = setup
@@ -158,13 +159,13 @@ def test_requests_left_out_of_a_step_drop_drafts_whose_q_was_overwritten():
     """The drafter's q lives in one buffer that every proposing step rewrites: a request the token budget left
     out of such a step must not verify against another request's q later."""
     from sparkspec.engine.sequence import Sequence
-    from sparkspec.engine.spec_runner import SpecRunner
+    from sparkspec.engine.spec_policy import SpecPolicy
 
     a, b, c = (Sequence(i, [5, 6, 7], SamplingParams(max_tokens=4)) for i in range(3))
     a.spec.draft_ids, a.spec.draft_row = [9, 9], 0  # sampled this step: keeps its new row
     b.spec.draft_ids, b.spec.draft_row = [8], 1  # left out, with a q row: loses its drafts
     c.spec.draft_ids, c.spec.draft_row = [7], -1  # left out, one-hot drafts: keeps them
-    SpecRunner.forget_overwritten([a, b, c], {a})
+    SpecPolicy.forget_overwritten([a, b, c], {a})
     assert (a.spec.draft_ids, a.spec.draft_row) == ([9, 9], 0)
     assert (b.spec.draft_ids, b.spec.draft_row, b.spec.confidences) == ([], -1, None)
     assert (c.spec.draft_ids, c.spec.draft_row) == ([7], -1)

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 from conftest import DEVICE, make_model, random_ids, run_full, tiny_config
+from helpers import quantize_fp4, quantize_fp8_block
 from safetensors.torch import save_file
 
 from sparkspec.loading import CheckpointError
@@ -16,7 +17,6 @@ from sparkspec.loading.checkpoint import load_checkpoint
 from sparkspec.loading.random_init import init_checkpoint, random_target_tensors
 from sparkspec.loading.save import write_checkpoint
 from sparkspec.loading.stream import read_tensors
-from sparkspec.ops.formats import quantize_fp4, quantize_fp8_block
 from sparkspec.tokenizer import Tokenizer
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from sparkspec.bench.common import sync
 from sparkspec.config import CSA, ModelConfig
+from sparkspec.spec_decode.methods import SPEC_METHODS
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -185,7 +186,7 @@ def run(args) -> list[dict]:
         return bench_rank(None, args)
     if args.compare_transformers:
         raise ValueError("--compare-transformers runs in one process: drop --tensor-parallel-size")
-    from sparkspec.distributed.engine import finish, launch, rank_device
+    from sparkspec.engine.lockstep import finish, launch, rank_device
 
     pg = launch(args.tensor_parallel_size, bench_rank, (args,), rank_device(0, args.device))
     try:
@@ -235,7 +236,7 @@ def bench_rank(pg, args) -> list[dict]:
     import gc
 
     from sparkspec.bench.routing import RoutingProbe
-    from sparkspec.distributed.engine import rank_device
+    from sparkspec.engine.lockstep import rank_device
 
     rank, world = (pg.rank, pg.world_size) if pg is not None else (0, 1)
     device = rank_device(rank, args.device) if pg is not None else \
@@ -345,7 +346,7 @@ def add_latency_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--spec", default="none", choices=["none", "dspark", "mtp", "ngram"])
+    p.add_argument("--spec", default="none", choices=SPEC_METHODS)
     p.add_argument("--num-spec-tokens", type=int, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from sparkspec.bench.common import RequestTiming, format_table, plot, require_plotting, summarize, write_json
 from sparkspec.bench.prompts import load_prompts
+from sparkspec.spec_decode.methods import SPEC_METHODS
 
 
 @dataclass
@@ -31,8 +32,8 @@ class Setting:
         """'none' | 'METHOD[:fixed|adaptive][:K]'."""
         parts = text.strip().split(":")
         method = parts[0]
-        if method not in ("none", "dspark", "mtp", "ngram"):
-            raise ValueError(f"setting {text!r}: method must be none, dspark, mtp or ngram")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"setting {text!r}: method must be one of {', '.join(SPEC_METHODS)}")
         budget = parts[1] if len(parts) > 1 and parts[1] else "fixed"
         if budget not in ("fixed", "adaptive"):
             raise ValueError(f"setting {text!r}: budget must be fixed or adaptive")

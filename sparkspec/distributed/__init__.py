@@ -2,7 +2,8 @@
 
 A `ParallelGroup` is what a sharded module keeps: its rank, the group size and the process group. The two
 collectives the model needs are here, and each is the identity when there is no group, so a single process runs
-the same code with no branch on the device and no collective.
+the same code with no branch on the device and no collective. `tensor_parallel.py` shards a model over a group;
+the engine that drives the ranks in lockstep is `sparkspec/engine/lockstep.py` (above the model, beside the engine).
 """
 
 from __future__ import annotations

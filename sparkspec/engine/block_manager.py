@@ -3,7 +3,7 @@
 A sequence owns `seq.block_ids`, in position order: block b of the list holds its positions b·bs .. (b+1)·bs - 1
 in every pool (`models/cache.py` and the drafters' pools), so the ids handed out here ARE the storage; no
 second accounting has to agree with this one. `blocks_per_seq` charges a constant number of extra blocks per
-resident sequence (none of the shipped drafters needs it: their context lives in the pools). `kv_cache.py`
+resident sequence (none of the shipped drafters needs it: their context lives in the pools). `kv_plan.py`
 decides how many bytes one block stands for.
 
 Verbs come in pairs: `can_allocate` / `allocate` / `trim` / `free`.

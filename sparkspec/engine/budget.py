@@ -144,9 +144,11 @@ def load_or_measure(key: str, measure: Callable[[], CostTable], cache_dir: Path 
     path = (cache_dir or cost_cache_dir()) / f"cost-{key}.json"
     if path.is_file():
         try:
-            return CostTable.from_json(json.loads(path.read_text()))
+            cached = CostTable.from_json(json.loads(path.read_text()))
+            if cached.target:
+                return cached
         except (ValueError, KeyError, TypeError):
-            pass  # a corrupt cache is re-measured
+            pass  # a corrupt (or empty: measured without room for one request) cache is re-measured
     table = measure()
     table.key = key
     try:

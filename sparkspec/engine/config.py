@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SpecMethod = Literal["none", "dspark", "mtp", "ngram"]
-SPEC_METHODS = ("none", "dspark", "mtp", "ngram")
+from sparkspec.spec_decode.methods import SPEC_METHODS, SpecMethod
 
 
 @dataclass
@@ -17,7 +16,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_waiting: int = 256  # queued requests beyond which new ones are refused (HTTP 429)
     enable_chunked_prefill: bool = True
-    # KV cache budget (see engine/kv_cache.py for what a block is)
+    # KV cache budget (see engine/kv_plan.py for what a block is)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: memory_fraction, else max_num_seqs x max_model_len
     memory_fraction: float | None = None

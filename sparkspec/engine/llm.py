@@ -17,14 +17,9 @@ from sparkspec.engine.llm_engine import LLMEngine, RequestOutput
 from sparkspec.sampling_params import SamplingParams
 
 
-def has_dspark_weights(checkpoint) -> bool:
-    """The checkpoint's config declares a DSpark drafter and its weights are present."""
-    return checkpoint.config.has_dspark and any(k.endswith("main_proj.weight") for k in checkpoint.drafter_tensors)
-
-
 def default_spec_method(checkpoint) -> str:
     """`speculative="auto"`: DSpark when the checkpoint ships it (the method this project is about), else none."""
-    return "dspark" if has_dspark_weights(checkpoint) else "none"
+    return "dspark" if checkpoint.has_dspark_weights else "none"
 
 
 class LLM:
@@ -33,7 +28,7 @@ class LLM:
                  parallel=None, expert_parallel: bool = False, **engine_kw):
         """`model`: a checkpoint directory, or a `LoadedCheckpoint` already in memory (several engines can then
         share one model); `speculative`: none | dspark | mtp | ngram | auto; `parallel`: this process's
-        `distributed.ParallelGroup` when the model is sharded over several (see `distributed/engine.py`);
+        `distributed.ParallelGroup` when the model is sharded over several (see `engine/lockstep.py`);
         other keywords go to `EngineConfig` (max_num_seqs, max_num_batched_tokens, max_model_len,
         kv_cache_memory, block_size, ...)."""
         if isinstance(model, (str, Path)):
@@ -49,8 +44,8 @@ class LLM:
                               **engine_kw)
         engine_cls, extra = LLMEngine, {}
         if parallel is not None and parallel.world_size > 1:
-            from sparkspec.distributed.engine import DistributedLLMEngine
             from sparkspec.distributed.tensor_parallel import shard_
+            from sparkspec.engine.lockstep import DistributedLLMEngine
 
             if getattr(model.model, "shard_cuts", None) is None:  # a sharded load has done it already
                 shard_(model.model, parallel, expert_parallel)
@@ -87,7 +82,7 @@ def parallel_engine_kwargs(pg, speculative: str, spec_budget: str) -> dict:
     * graphs only where the collectives can be captured (NCCL / RCCL); gloo runs eagerly. Every rank captures
       the same shapes in the same order, since rank 0 broadcasts the steps;
     * the adaptive budget's cost table is measured afresh by every rank (in lockstep: measuring runs sharded
-      forwards) and rank 0's is then used by all (`distributed.engine.sync_budget`); a cached table could exist
+      forwards) and rank 0's is then used by all (`engine.lockstep.sync_budget`); a cached table could exist
       on one rank and not another, and then only one of them would run the measuring forwards."""
     import tempfile
 
@@ -105,7 +100,7 @@ def run_rank(pg, model_path: str, device: str | None, dtype: str | None, llm_kwa
              quantization: str = "auto") -> None:
     """Ranks 1.. of a tensor-parallel run: load this rank's slices only, build the same engine as rank 0, then
     follow it."""
-    from sparkspec.distributed.engine import rank_device, worker_loop
+    from sparkspec.engine.lockstep import rank_device, worker_loop
     from sparkspec.loading.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(model_path, device=rank_device(pg.rank, device), dtype=dtype, parallel=pg,

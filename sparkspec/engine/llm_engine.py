@@ -1,5 +1,5 @@
 """LLMEngine: requests in, tokens out, one step at a time. The step reads: schedule -> choose drafts (budget) ->
-execute (verify -> accept -> propose next drafts, one device->host copy) -> commit -> emit."""
+execute (verify -> accept -> propose next drafts, one device->host copy) -> commit -> free -> emit."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 
 from sparkspec.engine.block_manager import BlockManager
 from sparkspec.engine.config import EngineConfig
-from sparkspec.engine.kv_cache import KVCachePlan, plan_kv_cache
+from sparkspec.engine.kv_plan import KVCachePlan, plan_kv_cache
 from sparkspec.engine.model_runner import ModelRunner
 from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from sparkspec.engine.sequence import Sequence, TokenSource
 from sparkspec.engine.step_result import StepResult
 from sparkspec.models.cache import cache_dtype
 from sparkspec.sampling_params import SamplingParams
+from sparkspec.spec_decode.metrics import SpecMetrics
 from sparkspec.tokenizer import IncrementalDetokenizer
 
 
@@ -67,26 +68,31 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_steps: int = 0
     num_decode_rows: int = 0  # request-steps after the first token: plain decode rows + verify blocks (tau's denominator)
-    num_spec_steps: int = 0  # request-steps with at least one verified draft
-    num_drafted: int = 0
-    num_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
     num_drafter_skipped_steps: int = 0  # steps where the budget planned no drafts at all
+    spec: SpecMetrics = field(default_factory=SpecMetrics)  # every request's verify steps, pooled
 
-    def record_spec(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_spec_steps += 1
-        self.num_drafted += num_drafts
-        self.num_accepted += num_accepted
-        if len(self.accepted_per_position) < num_drafts:
-            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
-        for j in range(num_accepted):
-            self.accepted_per_position[j] += 1
+    @property
+    def num_spec_steps(self) -> int:
+        """Request-steps with at least one verified draft."""
+        return self.spec.num_steps
+
+    @property
+    def num_drafted(self) -> int:
+        return self.spec.num_draft_tokens
+
+    @property
+    def num_accepted(self) -> int:
+        return self.spec.num_accepted_tokens
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        return self.spec.accepted_per_position
 
 
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, drafter_tensors=None,
                  proposer=None):
-        """`proposer`: a ready drafter (`sparkspec.spec_decode.Proposer` or `HostProposer`) to use instead of
+        """`proposer`: a ready drafter (a `sparkspec.spec_decode.Proposer`: device or host) to use instead of
         building `config.speculative`'s."""
         self.config = config = config or EngineConfig()
         self.model = model
@@ -98,9 +104,9 @@ class LLMEngine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.spec = None
         if config.speculative != "none" or proposer is not None:
-            from sparkspec.engine.spec_runner import SpecRunner
+            from sparkspec.engine.spec_policy import SpecPolicy
 
-            self.spec = SpecRunner(model, config, drafter_tensors or {}, proposer)
+            self.spec = SpecPolicy(model, config, drafter_tensors or {}, proposer)
         self.runner = ModelRunner(model, self.spec.proposer if self.spec else None, config.max_num_seqs)
         num_lookahead = self.spec.num_spec_tokens if self.spec else 0
         device = "cpu" if self.runner.device.type == "cpu" else str(self.runner.device)
@@ -195,15 +201,16 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> emit."""
+        """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> free -> emit."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         items = sched.scheduled
         drafts, rows = self.spec.choose(items) if self.spec else ([[] for _ in items], [-1] * len(items))
-        k_next = self.spec.plan(items, self.stats) if self.spec else 0
+        k_next = self.spec.num_drafts_to_propose(items, self.stats) if self.spec else 0
         result = self.runner.execute(items, drafts, self.spec.draft_probs if self.spec else None, rows, k_next)
         produced = self.commit(items, drafts, result, k_next)
+        self.stats.num_finished += len(self.scheduler.release_after_step())  # their blocks, rejected drafts' blocks
         return self.emit(items, produced)
 
     def commit(self, items: list[ScheduledSeq], drafts: list[list[int]], result: StepResult, k_next: int
@@ -254,7 +261,7 @@ class LLMEngine:
         self.stats.num_failed += 1
 
     def emit(self, items: list[ScheduledSeq], produced: dict[Sequence, list[int]]) -> list[RequestOutput]:
-        self.stats.num_finished += len(self.scheduler.update())
+        """The outputs of the step's requests that produced tokens or finished; finished ones are forgotten."""
         outputs = []
         for it in items:
             seq = it.seq
@@ -312,10 +319,11 @@ class LLMEngine:
         return text[: len(text) - hold] if hold > 0 else text
 
     def output(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        sp = seq.spec
+        sp = seq.spec.metrics
         metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
                    "finish_time": seq.finish_time, "num_preemptions": seq.num_preemptions,
-                   "spec_steps": sp.num_steps, "spec_drafted": sp.num_drafted, "spec_accepted": sp.num_accepted,
+                   "spec_steps": sp.num_steps, "spec_drafted": sp.num_draft_tokens,
+                   "spec_accepted": sp.num_accepted_tokens,
                    "spec_accepted_per_position": list(sp.accepted_per_position)}
         token_ids, text = list(seq.output_ids), self.visible_text(seq)
         logprobs = list(seq.logprobs) if seq.logprobs is not None else None

@@ -14,12 +14,13 @@ steps run the same functions eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from sparkspec.engine.cuda_graphs import GraphKey
+from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.step_io import Download, Upload, float_bits
 from sparkspec.engine.step_result import StepResult, read_step
@@ -37,32 +38,6 @@ def prompt_rows(seq, start: int, num_tokens: int) -> range:
     if seq.params.prompt_logprobs is None or seq.prompt_logprobs is None:
         return range(0)
     return range(max(start, len(seq.prompt_logprobs) - 1), min(start + num_tokens, len(seq.prompt_ids) - 1))
-
-
-@dataclass
-class StepPlan:
-    """The host side of one step."""
-
-    items: list[ScheduledSeq]
-    drafts: list[list[int]]
-    item_ids: list[list[int]] = field(default_factory=list)  # per item: its chunk, then its drafts
-    sampling: list[int] = field(default_factory=list)  # items whose last row yields a token (S of them)
-    K: int = 0  # draft columns of the verify rows: the most drafts any sampling item verifies (graphs: q - 1)
-    mode: str = "greedy"  # sampling mode of the step (see `cuda_graphs.SAMPLING_MODES`)
-    num_drafts: int = 0  # drafts the drafter proposes per request at the end (graphs: 0 or k, kept: `keep_drafts`)
-    keep_drafts: int = 0  # of which the engine keeps the first
-    key: GraphKey | None = None  # the captured step the step runs as; None = eager
-    logits_rows: list[int] = field(default_factory=list)
-    next_host: list[int] = field(default_factory=list)  # per row: the token after it (MTP only)
-    prompt_items: list[tuple[int, int, int]] = field(default_factory=list)  # (item, first position, rows)
-    logprob_rows: list[int] = field(default_factory=list)  # sampling rows whose requests want logprobs
-    num_top: int = 0
-    num_prompt_top: int = 0
-    upload: Upload = field(default_factory=Upload)
-
-    @property
-    def params(self) -> list:
-        return [self.items[i].seq.params for i in self.sampling]
 
 
 @dataclass
@@ -151,14 +126,14 @@ class ModelRunner:
         draft_rows: list[int],  # per item: its row in draft_probs, -1 = one-hot q (greedy or host drafter)
         num_next_drafts: int,  # k for the device drafter at the end of this step (0 = do not draft)
     ) -> StepResult:
-        """plan (host) -> forward -> accept -> draft -> the one copy back -> read. A decode / verify step replays
+        """pack (host) -> forward -> accept -> draft -> the one copy back -> read. A decode / verify step replays
         the captured graph of all of it; other steps run the same functions eagerly.
 
         Logprobs (only when a request of the step asks; host flags; such steps run eagerly): rows 0..L of a
         request that wants them go through `logprobs_for` (the distribution it samples from, never the
         drafter's), and prompt rows that score prompt tokens for `prompt_logprobs` (the raw log-softmax: those
         tokens were not sampled) are added to `logits_rows`; both ride in the step's one copy."""
-        p = self.plan(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts)
+        p = self.pack(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts)
         down = Download()
         if p.key is not None:
             head = self.graphs.pack(p.key, p.item_ids, [it.seq.block_ids for it in items],
@@ -193,7 +168,7 @@ class ModelRunner:
                 down.add("confidences", res.confidences[:S])
         return down.fetch()
 
-    def graph_key(self, p: StepPlan) -> GraphKey | None:
+    def graph_key(self, p: PackedStep) -> GraphKey | None:
         """The captured step a pure decode / verify step without logprobs runs as, or None (eager)."""
         items = p.items
         if self.graphs is None or p.prompt_items or not all(it.samples for it in items) \
@@ -204,10 +179,10 @@ class ModelRunner:
         num_drafts = self.proposer.num_spec_tokens if p.num_drafts else 0
         return self.graphs.key_for(len(items), max(len(ids) for ids in p.item_ids), p.mode, num_drafts)
 
-    def plan(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
-             num_next_drafts: int) -> StepPlan:
+    def pack(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
+             num_next_drafts: int) -> PackedStep:
         """Host side of a step: rows, logits rows, and every int the device needs, packed by name."""
-        p = StepPlan(items, drafts)
+        p = PackedStep(items, drafts)
         logits_rows, first_lrow, rows = [], {}, 0
         prompt_lrows, prompt_next = [], []
         for i, (it, d) in enumerate(zip(items, drafts)):
@@ -255,7 +230,7 @@ class ModelRunner:
         return p
 
     @staticmethod
-    def add_request_parts(p: StepPlan, R: int, first: list[int], first_lrow: dict[int, int],
+    def add_request_parts(p: PackedStep, R: int, first: list[int], first_lrow: dict[int, int],
                           draft_rows: list[int]) -> None:
         """The per-request parts of `p.upload` for its sampling requests, then requests S..R-1: a graph's dummy
         requests, which own their rows, sample greedily and verify nothing (with no sampling requests at all,
@@ -289,7 +264,7 @@ class ModelRunner:
 
     def dummy_upload(self, key: GraphKey) -> Upload:
         """The parts of a step of `key.num_reqs` dummy requests (the static inputs a graph is captured on)."""
-        p = StepPlan([], [])
+        p = PackedStep([], [])
         p.key, p.K = key, key.draft_cols
         R, q = key.num_reqs, key.q
         if self.capture.get("capture_final_streams"):
@@ -297,7 +272,7 @@ class ModelRunner:
         self.add_request_parts(p, R, [i * q for i in range(R + 1)], {i: i * q for i in range(R)}, [])
         return p.upload
 
-    def forward(self, p: StepPlan):
+    def forward(self, p: PackedStep):
         """The one host->device copy and the target forward, eagerly -> (batch, output, the uploaded parts)."""
         items = p.items
         ids = [t for row in p.item_ids for t in row]

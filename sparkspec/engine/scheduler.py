@@ -65,10 +65,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens + s.num_lookahead for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -179,8 +175,9 @@ class Scheduler:
         """Give back the sequence's blocks (its rows in every pool)."""
         self.block_manager.free(seq)
 
-    def update(self) -> list[Sequence]:
-        """After a step: release finished sequences and blocks held for rejected drafts -> finished ones."""
+    def release_after_step(self) -> list[Sequence]:
+        """After a step: free the blocks of finished sequences and those held for rejected drafts -> the finished
+        sequences (no longer running)."""
         finished = [s for s in self.running if s.is_finished]
         for seq in finished:
             self.running.remove(seq)

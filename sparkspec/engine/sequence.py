@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkspec.spec_decode.metrics import SpecMetrics
+
 
 class TokenSource:
     """How an output token came, one int per token (`Sequence.token_sources`): a draft the target accepted, at
@@ -44,21 +46,7 @@ class SpecState:
     draft_ids: list[int] = field(default_factory=list)  # [k] proposed tokens following the pending token
     draft_row: int = -1  # row of the drafter's q tensor holding their distributions (-1: one-hot q)
     confidences: list[float] | None = None  # [k] P(draft j accepted | drafts < j accepted), if the drafter has a head
-    num_steps: int = 0  # verify steps with at least one draft
-    num_drafted: int = 0  # draft tokens verified
-    num_accepted: int = 0  # draft tokens accepted
-    accepted_per_position: list[int] = field(default_factory=list)  # [k_max] accepted count at draft position j
-
-    def record(self, num_verified: int, num_accepted: int) -> None:
-        if num_verified == 0:
-            return
-        self.num_steps += 1
-        self.num_drafted += num_verified
-        self.num_accepted += num_accepted
-        if len(self.accepted_per_position) < num_verified:
-            self.accepted_per_position += [0] * (num_verified - len(self.accepted_per_position))
-        for j in range(num_accepted):
-            self.accepted_per_position[j] += 1
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)  # this request's verify steps (`SpecMetrics.record`)
 
 
 @dataclass(eq=False)
@@ -106,23 +94,13 @@ class Sequence:
         return self.num_tokens - self.num_cached_tokens
 
     @property
-    def is_prefill(self) -> bool:
-        """More than the pending token is left to compute (a fresh prompt, or a recompute after preemption)."""
-        return self.num_uncomputed_tokens > 1
-
-    @property
     def spec_cap(self) -> int | None:
-        """Most drafts this request verifies per step (None: no cap of its own; 0: speculation off). Params objects
-        without the field (the scheduler's pure-Python tests) have no cap."""
-        return getattr(self.params, "num_spec_tokens", None)
+        """Most drafts this request verifies per step (None: no cap of its own; 0: speculation off)."""
+        return self.params.num_spec_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def max_total_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
 
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED

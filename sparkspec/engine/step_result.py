@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from sparkspec.engine.model_runner import StepPlan
+    from sparkspec.engine.packed_step import PackedStep
     from sparkspec.engine.scheduler import ScheduledSeq
 
 # why a request fails alone when the step's flag says its row was not finite (`RejectionSampler.verify`)
@@ -51,7 +51,7 @@ def logprob_dicts(token_ids: list[int], pieces: list[list[float]], row: int, n: 
     return out
 
 
-def read_step(p: StepPlan, host: dict, q_store: torch.Tensor | None) -> StepResult:
+def read_step(p: PackedStep, host: dict, q_store: torch.Tensor | None) -> StepResult:
     """The host copy of step `p` -> per item: accepted count, emitted tokens, next drafts, logprobs. `q_store`:
     the runner's buffer of draft distributions, which the step rewrote when it proposed sampled drafts."""
     prompt = read_prompt_logprobs(host.get("prompt", []), p.items, p.prompt_items, p.num_prompt_top)

@@ -75,6 +75,11 @@ class LoadedCheckpoint:
     load_stats: LoadStats | None = None
     kept_quantized: tuple[str, ...] = ()  # layers holding FP8 / FP4 weights as stored (`loading.quantized`)
 
+    @property
+    def has_dspark_weights(self) -> bool:
+        """The config declares a DSpark drafter and its weights are present (what `speculative="auto"` picks)."""
+        return self.config.has_dspark and any(k.endswith("main_proj.weight") for k in self.drafter_tensors)
+
 
 def read_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"

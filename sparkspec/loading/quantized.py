@@ -160,9 +160,3 @@ def swap_layers_(model: nn.Module, chosen: dict[str, type[nn.Module]], moe_exper
         if hasattr(module, "_stacked_experts"):
             del module._stacked_experts
     return sorted(chosen)
-
-
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters of the quantised layers (weights and scales)."""
-    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, (Fp8Linear, Fp4Linear))
-               for p in m.parameters())

@@ -120,14 +120,6 @@ class KVCache:
         return sum(t.numel() * t.element_size() for pools in self.layers for t in pools.values())
 
     @classmethod
-    def for_sequences(cls, model, num_seqs: int, max_len: int, block_size: int = 16) -> tuple[KVCache, list[list[int]]]:
-        """A cache with room for `num_seqs` sequences of `max_len` positions, and their block tables (tests,
-        training, probes: callers without a block manager)."""
-        per_seq = -(-max_len // block_size)
-        cache = cls(model, num_seqs * per_seq, block_size)
-        return cache, [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
-
-    @classmethod
     def for_lengths(cls, model, lengths, block_size: int = 16) -> tuple[KVCache, list[list[int]]]:
         """A cache with exactly the blocks that sequences of these lengths need, and their block tables."""
         tables, n = [], 0

@@ -113,28 +113,3 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "",
     if tuple(scale.shape) != need:
         raise ValueError(f"tensor '{name}': FP4 block scale has shape {tuple(scale.shape)}, expected {need}")
     return w.mul_(scale_to_float(scale).repeat_interleave(FP4_BLOCK, 1)[:, :inn]).to(dtype)
-
-
-def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse (power-of-two block scales), used to write test checkpoints."""
-    out, inn = w.shape
-    bo, bi = (out + FP8_BLOCK - 1) // FP8_BLOCK, (inn + FP8_BLOCK - 1) // FP8_BLOCK
-    pad = torch.zeros(bo * FP8_BLOCK, bi * FP8_BLOCK)
-    pad[:out, :inn] = w.float()
-    blocks = pad.view(bo, FP8_BLOCK, bi, FP8_BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-8)
-    scale = torch.exp2(torch.ceil(torch.log2(blocks / 448.0)))
-    s = scale.repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inn]
-    return (w.float() / s).to(torch.float8_e4m3fn), scale
-
-
-def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest e2m1 code with power-of-two 1×32 scales -> (packed uint8 [out, in/2], e8m0 uint8 scales)."""
-    out, inn = w.shape
-    blocks = w.float().view(out, inn // FP4_BLOCK, FP4_BLOCK)
-    amax = blocks.abs().amax(-1).clamp(min=1e-8)
-    exp = torch.ceil(torch.log2(amax / 6.0))
-    scale = torch.exp2(exp)
-    scaled = (blocks / scale.unsqueeze(-1)).view(out, inn)
-    codes = (scaled.unsqueeze(-1) - FP4_VALUES).abs().argmin(-1).to(torch.uint8)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed, (exp + 127).to(torch.uint8)

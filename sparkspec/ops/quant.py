@@ -150,10 +150,3 @@ def _scaled_mm_probe(index: int) -> bool:
                     "error %.3g), using the Triton kernel", index, err)
         return False
     return True
-
-
-def fp8_linear_path(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """Which implementation `ops.fp8_block_linear` runs for these tensors: 'native', 'scaled_mm' or 'triton'."""
-    if x.device.type == "cpu":
-        return "native"
-    return "scaled_mm" if scaled_mm_usable(x, weight) else "triton"

@@ -26,7 +26,7 @@ import torch
 
 from sparkspec.ops.registry import native
 from sparkspec.ops.rng import uniform
-from sparkspec.sampling_params import MIN_TEMPERATURE, SamplingParams
+from sparkspec.sampling_params import MIN_TEMPERATURE
 
 STREAM_TARGET = 0
 STREAM_DRAFT = 1
@@ -114,30 +114,6 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
 
-    @classmethod
-    def from_params(
-        cls, params: list[SamplingParams], device: torch.device | str, seeds: list[int | None] | None = None
-    ) -> SamplingTensors:
-        """seeds[i] is used when params[i].seed is None (a request's own seed wins). Greedy requests (below
-        MIN_TEMPERATURE) are packed at temperature 0."""
-        seeds = seeds if seeds is not None else [None] * len(params)
-        chosen = [p.seed if p.seed is not None else s for p, s in zip(params, seeds, strict=True)]
-        if any(s is None for s in chosen):
-            raise ValueError("every request needs a seed: its own or one chosen by the caller")
-        wrapped = [(s & (2**64 - 1)) - (2**64 if s & (1 << 63) else 0) for s in chosen]  # any int -> int64
-
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        return cls(
-            temperature=t([p.device_temperature for p in params], torch.float32),
-            top_k=t([p.top_k for p in params], torch.int64),
-            top_p=t([p.top_p for p in params], torch.float32),
-            seeds=t(wrapped, torch.int64),
-            all_greedy=all(p.greedy for p in params),
-            any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
-            any_top_p=any(p.top_p < 1 and not p.greedy for p in params),
-        )
 
     def index_select(self, index: torch.Tensor) -> SamplingTensors:  # index [M] int64
         """Rows `index` (e.g. a per-row request index). Flags are kept: still true of any subset."""
@@ -190,20 +166,6 @@ def gather_logprobs(
         return [picked]
     values, ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
     return [picked, values, ids]
-
-
-def sample_tokens(
-    logits: torch.Tensor,  # [R, V]
-    st: SamplingTensors,  # R rows
-    offsets: torch.Tensor,  # [R] int64: absolute position of the token being produced
-    stream: int = STREAM_TARGET,
-) -> torch.Tensor:
-    """One token per row -> [R] int64: greedy rows the argmax (ties: lowest id), others a draw from the
-    processed distribution with the row's seed at (offset, stream)."""
-    argmax = logits.argmax(-1)
-    if st.all_greedy:
-        return argmax
-    return torch.where(st.greedy, argmax, sample(probs_for(logits, st), st.seeds, offsets, stream))
 
 
 def is_finite_dist(

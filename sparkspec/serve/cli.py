@@ -17,7 +17,9 @@ from pathlib import Path
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by `serve` and `bench offline`."""
-    p.add_argument("--spec", choices=["none", "dspark", "mtp", "ngram"], default=None,
+    from sparkspec.spec_decode.methods import SPEC_METHODS
+
+    p.add_argument("--spec", choices=SPEC_METHODS, default=None,
                    help="speculative method (default: dspark when the checkpoint has DSpark weights, else none)")
     p.add_argument("--num-spec-tokens", type=int, default=None, help="drafts per request per step (k)")
     p.add_argument("--spec-budget", choices=["adaptive", "fixed"], default="adaptive",
@@ -37,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args, speculative: str, **extra):
     from sparkspec.engine.config import EngineConfig
-    from sparkspec.engine.kv_cache import parse_memory
+    from sparkspec.engine.kv_plan import parse_memory
 
     return EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -47,13 +49,9 @@ def engine_config_from_args(args, speculative: str, **extra):
         spec_budget=args.spec_budget, enforce_eager=args.enforce_eager, **extra)
 
 
-def default_spec(ckpt) -> str:
-    has = ckpt.config.has_dspark and any(k.endswith("main_proj.weight") for k in ckpt.drafter_tensors)
-    return "dspark" if has else "none"
-
-
 def build_engine(args, **extra):
     """Load the checkpoint and build an LLMEngine from the parsed flags -> (engine, checkpoint)."""
+    from sparkspec.engine.llm import default_spec_method
     from sparkspec.engine.llm_engine import LLMEngine
     from sparkspec.loading.checkpoint import load_checkpoint
 
@@ -64,17 +62,17 @@ def build_engine(args, **extra):
         return build_parallel_engine(args, model_dir, **extra)
     ckpt = load_checkpoint(model_dir, device=args.device, dtype=args.dtype, progress=True,
                            quantization=getattr(args, "quantization", "auto"))
-    spec = args.spec or default_spec(ckpt)
+    spec = args.spec or default_spec_method(ckpt)
     config = engine_config_from_args(args, spec, **extra)
     return LLMEngine(ckpt.model, ckpt.tokenizer, config, ckpt.drafter_tensors), ckpt
 
 
 def build_parallel_engine(args, model_dir: Path, **extra):
     """--tensor-parallel-size N: ranks 1.. load their slices in their own processes (one per GPU; gloo on CPU)
-    and follow rank 0 (`distributed.engine.worker_loop`); rank 0, here, loads its slices and returns the
+    and follow rank 0 (`engine.lockstep.worker_loop`); rank 0, here, loads its slices and returns the
     `DistributedLLMEngine` the async engine drives, with a heartbeat for the idle ranks."""
-    from sparkspec.distributed.engine import launch, rank_device
     from sparkspec.engine.llm import LLM, run_rank
+    from sparkspec.engine.lockstep import launch, rank_device
     from sparkspec.loading.checkpoint import load_checkpoint
 
     if args.tensor_parallel_size < 1:
@@ -187,7 +185,7 @@ def cmd_serve(args) -> int:
         server.run(sockets=[sock])
     finally:
         if args.tensor_parallel_size > 1:  # the other ranks stop with rank 0
-            from sparkspec.distributed.engine import finish
+            from sparkspec.engine.lockstep import finish
 
             finish(engine)
     if server.failure is not None:

@@ -3,76 +3,34 @@
 
     proposer = build_proposer("dspark", model, drafter_tensors, num_spec_tokens=None)
     outputs = LLMEngine(model, tokenizer, proposer=proposer).generate(prompts, params)
+
+`methods.py` and `metrics.py` are plain Python (no torch import); the names below load lazily.
 """
 
 from __future__ import annotations
 
-import warnings
+import importlib
 
-import torch
+_EXPORTS = {
+    "SPEC_METHODS": "sparkspec.spec_decode.methods",
+    "DRAFT_METHODS": "sparkspec.spec_decode.methods",
+    "SpecMethod": "sparkspec.spec_decode.methods",
+    "SpecMetrics": "sparkspec.spec_decode.metrics",
+    "Proposer": "sparkspec.spec_decode.proposer",
+    "DeviceProposer": "sparkspec.spec_decode.proposer",
+    "HostProposer": "sparkspec.spec_decode.proposer",
+    "DraftBatch": "sparkspec.spec_decode.proposer",
+    "StepRows": "sparkspec.spec_decode.proposer",
+    "RejectionSampler": "sparkspec.spec_decode.rejection",
+    "build_proposer": "sparkspec.spec_decode.build",
+    "default_num_spec_tokens": "sparkspec.spec_decode.build",
+    "DEFAULT_NGRAM_TOKENS": "sparkspec.spec_decode.build",
+}
 
-from sparkspec.models.deepseek_v4 import DeepseekV4Model
-from sparkspec.spec_decode.metrics import SpecMetrics
-from sparkspec.spec_decode.proposer import DraftBatch, HostProposer, Proposer, StepRows
-from sparkspec.spec_decode.rejection import RejectionSampler
-
-METHODS = ("dspark", "mtp", "ngram")
-DEFAULT_NGRAM_TOKENS = 4
-
-__all__ = ["METHODS", "DraftBatch", "HostProposer", "Proposer", "RejectionSampler", "SpecMetrics", "StepRows",
-           "build_proposer", "default_num_spec_tokens"]
-
-
-def default_num_spec_tokens(method: str, model: DeepseekV4Model) -> int:
-    """The checkpoint's `dspark_block_size` for DSpark, 1 for MTP, 4 for n-gram."""
-    if method == "dspark":
-        if model.cfg.dspark_block_size is None:
-            raise ValueError("config field 'dspark_block_size' is missing: the checkpoint has no DSpark drafter")
-        return model.cfg.dspark_block_size
-    return {"mtp": 1, "ngram": DEFAULT_NGRAM_TOKENS}[method]
+__all__ = list(_EXPORTS)
 
 
-def _place(drafter: torch.nn.Module, model: DeepseekV4Model) -> torch.nn.Module:
-    """The drafter on the target's device in the target's compute dtype (its embedding's: the first parameter
-    of a bf16 model is an fp32 mHC tensor), with the same fp32 exceptions."""
-    w = model.embed.weight
-    return drafter.to(device=w.device, dtype=w.dtype).keep_fp32().eval()
-
-
-def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[str, torch.Tensor] | None = None,
-                   num_spec_tokens: int | None = None) -> Proposer | HostProposer:
-    """A drafter for `model`. `drafter_tensors`: the checkpoint's `mtp.*` tensors (others are ignored).
-
-    Errors (ValueError, one line): unknown method, num_spec_tokens < 1, no DSpark / MTP weights or config.
-    Warnings (the positions beyond what the drafter was trained for draft, but are rarely accepted): DSpark with
-    num_spec_tokens > dspark_block_size; MTP with num_spec_tokens > its MTP layers (the later steps reuse a layer
-    trained for an earlier one)."""
-    if method not in METHODS:
-        raise ValueError(f"speculative method {method!r}: expected one of {', '.join(METHODS)}")
-    k = default_num_spec_tokens(method, model) if num_spec_tokens is None else num_spec_tokens
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"num_spec_tokens = {k!r}: expected an integer >= 1")
-    tensors = drafter_tensors or {}
-    if method == "ngram":
-        from sparkspec.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(k)
-    if method == "dspark":
-        from sparkspec.loading.drafters import dspark_from_tensors
-        from sparkspec.spec_decode.dspark import DSparkProposer
-
-        block = default_num_spec_tokens("dspark", model)
-        drafter = _place(dspark_from_tensors(model.cfg, tensors), model)
-        if k > block:
-            warnings.warn(f"num_spec_tokens = {k} > dspark_block_size = {block}: draft positions {block + 1}..{k} "
-                          "were never trained and will rarely be accepted", stacklevel=2)
-        return DSparkProposer(model, drafter, k)
-    from sparkspec.loading.drafters import mtp_from_tensors
-    from sparkspec.spec_decode.mtp import MTPProposer
-
-    drafter = _place(mtp_from_tensors(model.cfg, tensors), model)
-    if k > drafter.num_layers:
-        warnings.warn(f"num_spec_tokens = {k} > MTP layers = {drafter.num_layers}: draft positions "
-                      f"{drafter.num_layers + 1}..{k} reuse a layer trained for an earlier position and will rarely "
-                      "be accepted", stacklevel=2)
-    return MTPProposer(model, drafter, k)
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'sparkspec.spec_decode' has no attribute {name!r}")

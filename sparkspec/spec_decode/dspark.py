@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
 from sparkspec.models.dspark import DSparkDraftModel, calibrated_confidences
 from sparkspec.ops.sampling import STREAM_DRAFT, sample_draft
-from sparkspec.spec_decode.proposer import DraftBatch, Proposer, StepRows
+from sparkspec.spec_decode.proposer import DeviceProposer, DraftBatch, StepRows
 
 
-class DSparkProposer(Proposer):
+class DSparkProposer(DeviceProposer):
     method = "dspark"
 
     def __init__(self, target: DeepseekV4Model, drafter: DSparkDraftModel, num_spec_tokens: int):

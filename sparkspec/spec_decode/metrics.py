@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpecMetrics:
-    method: str
-    num_spec_tokens: int
+    """The counters, and the numbers above from them. `record` counts one step; the engine keeps one per request
+    (`Sequence.spec.metrics`) and one over all requests (`EngineStats.spec`)."""
+
+    method: str = "none"
+    num_spec_tokens: int = 0  # k; 0: not fixed (the engine's counters grow with the longest step verified)
     num_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -21,10 +21,10 @@ from sparkspec.models.mtp import MTPDraftModel
 from sparkspec.ops import ops
 from sparkspec.ops.indices import paged_attention_indices
 from sparkspec.ops.sampling import STREAM_DRAFT, sample_draft
-from sparkspec.spec_decode.proposer import DraftBatch, Proposer, StepRows
+from sparkspec.spec_decode.proposer import DeviceProposer, DraftBatch, StepRows
 
 
-class MTPProposer(Proposer):
+class MTPProposer(DeviceProposer):
     method = "mtp"
     needs_final_streams = True
 

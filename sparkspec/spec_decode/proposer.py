@@ -10,7 +10,7 @@ many drafts each request verifies (the budget reads the confidences) and builds 
 the device.
 
 Two kinds of drafter:
-* device drafters (`Proposer`: DSpark, MTP) keep their context in paged pools addressed by the target's block
+* device drafters (`DeviceProposer`: DSpark, MTP) keep their context in paged pools addressed by the target's block
   tables, one row per position, written for every row of every step. A row of a rejected draft is written too,
   and overwritten by the step that commits its position before anything reads it, so rollback is free.
 * host drafters (`HostProposer`: n-gram, test drafters) look at the committed token ids after the copy.
@@ -53,23 +53,35 @@ class StepRows:
 
 
 class Proposer(ABC):
-    """A device drafter. Subclasses set `method` and what they need from the target forward."""
+    """A drafter, as the engine sees it: its method, k, what it needs from the target forward, and what pools it
+    costs. `on_device` says which kind it is: a `DeviceProposer` (`observe` / `propose`, inside the step) or a
+    `HostProposer` (`propose_ids`, after the step's copy)."""
 
     method: str = "none"
-    on_device = True
+    on_device: bool
     tap_layers: tuple[int, ...] = ()  # 0-based target layers whose outputs `observe` receives as taps
     needs_final_streams: bool = False  # whether `observe` receives the final residual streams
 
     def __init__(self, num_spec_tokens: int):
         self.num_spec_tokens = num_spec_tokens
-        self.pools: list[torch.Tensor] = []  # per draft layer [N·bs + 1, D] context K=V rows by position
 
     def bytes_per_position(self) -> int:
         """Pool bytes one cached position costs (charged per block by the engine's KV plan)."""
         return 0
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the per-position pools for the engine's blocks."""
+        """Allocate the per-position pools for the engine's blocks (none for a host drafter)."""
+
+
+class DeviceProposer(Proposer):
+    """A drafter that runs on the device at the end of the step (DSpark, MTP). Subclasses set `method` and what
+    they need from the target forward."""
+
+    on_device = True
+
+    def __init__(self, num_spec_tokens: int):
+        super().__init__(num_spec_tokens)
+        self.pools: list[torch.Tensor] = []  # per draft layer [N·bs + 1, D] context K=V rows by position
 
     @abstractmethod
     def observe(self, step: StepRows) -> None:
@@ -87,22 +99,10 @@ class Proposer(ABC):
         return rows, [torch.where((rows >= 0).unsqueeze(-1), pool[rows.clamp(min=0)], 0) for pool in self.pools]
 
 
-class HostProposer(ABC):
+class HostProposer(Proposer):
     """A drafter that looks at token ids only (n-gram lookup, test drafters); runs on the host after the step."""
 
-    method: str = "none"
     on_device = False
-    tap_layers: tuple[int, ...] = ()
-    needs_final_streams = False
-
-    def __init__(self, num_spec_tokens: int):
-        self.num_spec_tokens = num_spec_tokens
-
-    def bytes_per_position(self) -> int:
-        return 0
-
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        pass
 
     @abstractmethod
     def propose_ids(self, token_ids: list[list[int]], k: int) -> list[list[int]]:

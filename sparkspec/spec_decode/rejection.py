@@ -19,10 +19,10 @@ Each step emits L + 1 tokens whose joint distribution equals sampling the target
 drafter, as long as q is exact (Leviathan et al., Theorem 1).
 
 Randomness: the token at absolute position t uses the counter RNG at offset t only — u_i from
-STREAM_ACCEPT, recovered draws from STREAM_RESIDUAL, bonus draws from STREAM_TARGET (so a 0-draft row
-gives exactly `sample_tokens(logits, st, positions, STREAM_TARGET)`). Numbers at offsets past the emitted
-token were computed but did not influence the output, so reusing them in the next step keeps every
-position's randomness fresh; and a seeded request's tokens do not depend on the rest of the batch.
+STREAM_ACCEPT, recovered draws from STREAM_RESIDUAL, bonus draws from STREAM_TARGET (so a 0-draft row gives
+exactly `sample(probs_for(logits, st), st.seeds, positions, STREAM_TARGET)`, the argmax when greedy). Numbers at
+offsets past the emitted token were computed but did not influence the output, so reusing them in the next step
+keeps every position's randomness fresh; and a seeded request's tokens do not depend on the rest of the batch.
 
 Non-finite rows (`sampling.is_finite_dist`: NaN / inf logits, e.g. a numerically broken model): a draft is
 never accepted at a row whose p is not finite, so L stops at the first such row, and the request is flagged

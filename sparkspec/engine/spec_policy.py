@@ -19,13 +19,15 @@ from sparkspec.engine.budget import CostTable, VerificationBudget, load_or_measu
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.sequence import Sequence
-from sparkspec.spec_decode import build_proposer
+from sparkspec.spec_decode.build import build_proposer
 
 log = logging.getLogger("sparkspec.engine")
 PROBE_EVERY = 16  # when the budget plans no drafts, still draft once every this many steps to keep estimates fresh
 
 
-class SpecRunner:
+class SpecPolicy:
+    """What the engine decides about speculation on the host, step by step; it owns the proposer and the budget."""
+
     def __init__(self, model, config: EngineConfig, drafter_tensors: dict, proposer=None):
         self.model = model
         self.config = config
@@ -62,8 +64,8 @@ class SpecRunner:
         """Most drafts `seq` may verify: the engine's k, or less when the request asks (`num_spec_tokens`)."""
         return self.num_spec_tokens if seq.spec_cap is None else min(seq.spec_cap, self.num_spec_tokens)
 
-    def plan(self, items: list[ScheduledSeq], stats=None) -> int:
-        """Drafts to propose at the end of this step (0: the drafter is not called)."""
+    def num_drafts_to_propose(self, items: list[ScheduledSeq], stats=None) -> int:
+        """k for the next step: drafts to propose at the end of this step (0: the drafter is not called)."""
         num_sampling = sum(1 for it in items if it.samples)
         if not num_sampling:
             return 0
@@ -81,10 +83,10 @@ class SpecRunner:
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int, stats=None) -> None:
         if not num_drafts:
             return
-        seq.spec.record(num_drafts, num_accepted)
+        seq.spec.metrics.record(num_drafts, num_accepted)
         self.budget.observe(num_drafts, num_accepted)
         if stats is not None:
-            stats.record_spec(num_drafts, num_accepted)
+            stats.spec.record(num_drafts, num_accepted)
 
     def keep(self, seq: Sequence, drafts: list[int], confidences: list[float] | None, row: int) -> None:
         """`row`: where the drafts' q sits in `draft_probs` (-1: one-hot, greedy or host drafts)."""
@@ -127,7 +129,13 @@ class SpecRunner:
         `runner.execute` exactly as the engine runs a decode step (CUDA graphs included when they are on). Runs
         on the engine's own pools before any request is admitted (block ids from 0)."""
         k = self.num_spec_tokens
+        # a small KV cache (a short --max-model-len) holds less than one probe at the default context: probe shorter
+        context_len = max(1, min(context_len, runner.cache.num_blocks * runner.cache.block_size - 2 * k - 2))
         per_seq = self.probe_blocks(runner, context_len)
+        if per_seq > runner.cache.num_blocks:
+            raise ValueError(f"the KV cache ({runner.cache.num_blocks} blocks of {runner.cache.block_size}) cannot hold "
+                             "one request to measure the adaptive budget's step costs: raise --kv-cache-memory or "
+                             "--max-model-len, or use --spec-budget fixed")
         grid, r = [], 1
         while r <= min(self.config.max_num_seqs, runner.cache.num_blocks // per_seq):
             grid.append(r)
