@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from sparkspec.engine.llm_engine import LLMEngine, RequestOutput
 from sparkspec.engine.scheduler import QueueFullError
@@ -44,9 +45,27 @@ class RequestFailedError(RuntimeError):
     it raised; the request was aborted or finished (HTTP 500), the others were not."""
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine is, fixed when it starts: the server reports it and sizes requests by it."""
+
+    max_model_len: int  # prompt + output tokens of one request at most
+    spec_method: str  # the speculative method ("none": no speculation)
+    num_spec_tokens: int  # drafts per request per step at most (0: no speculation)
+    spec_budget: str | None  # "adaptive" | "fixed"; None without speculation
+
+
 class AsyncLLMEngine:
+    """The server's only view of the engine: `info`, `tokenizer`, `encode_prompt`, `check`, `generate`, `abort`,
+    `stats`, and the lifecycle (`start`, `shutdown`, `is_running`, `num_open_requests`). The wrapped
+    `LLMEngine` (`self.engine`) belongs to the engine thread."""
+
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        k = engine.spec.num_spec_tokens if engine.spec is not None else 0
+        self.info = EngineInfo(max_model_len=engine.max_model_len,
+                               spec_method=engine.spec.proposer.method if engine.spec is not None else "none",
+                               num_spec_tokens=k, spec_budget=engine.config.spec_budget if k else None)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and _num_pending
@@ -84,6 +103,15 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     # ---- requests ----
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (None for a checkpoint without one); encoding is thread-safe."""
+        return self.engine.tokenizer
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Prompt token ids: text is tokenised with BOS; ids are checked against the vocabulary (ValueError)."""
+        return self.engine.encode_prompt(prompt)
+
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """ValueError for a request that can never run; QueueFullError when the queue is full."""
         self.engine.check_request(prompt_ids, params)
@@ -121,6 +149,7 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """End a request whatever its state; its KV blocks are freed on the engine's next iteration."""
         self._commands.put(("abort", request_id, None, None))
 
     def stats(self) -> dict:
