@@ -134,8 +134,11 @@ def encode_prompts(items, tokenizer, model_dir) -> list[tuple[str | None, list[i
             continue
         if tokenizer is None:
             raise UserError(f"{model_dir}: no tokenizer.json; pass prompt_token_ids in --prompts-file")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": value}]) if chat else value
-        out.append((text, tokenizer.encode(text, add_special_tokens=not chat)))
+        if chat:  # as the server: special-token text in the message stays text
+            message = [{"role": "user", "content": value}]
+            out.append((tokenizer.apply_chat_template(message), tokenizer.encode_chat(message)))
+        else:
+            out.append((value, tokenizer.encode(value, add_special_tokens=True)))
     return out
 
 
@@ -148,13 +151,12 @@ def _config_and_tokenizer(model_dir):
 
 
 def cmd_generate(args) -> int:
-    from sparkspec.engine.llm import LLM
-    from sparkspec.loading.checkpoint import load_checkpoint
+    from sparkspec.engine.llm import build_llm
     from sparkspec.platform import check_device
     from sparkspec.sampling_params import SamplingParams
     from sparkspec.spec_decode.metrics import SpecMetrics
 
-    device = check_device(args.device)  # before anything loads: a bad or missing device is a one-line error
+    check_device(args.device)  # before anything loads: a bad or missing device is a one-line error
     if not args.model.exists():
         raise UserError(f"model directory not found: {args.model}")
     if args.prompts_file is not None and not args.prompts_file.is_file():
@@ -165,18 +167,7 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     items = read_prompt_items(args)
-    if args.tensor_parallel_size < 1:
-        raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected a positive integer")
-    tp = args.tensor_parallel_size
-    if tp > 1:
-        from sparkspec.engine.lockstep import rank_device
-
-        device = rank_device(0, args.device)
-    if tp > 1:  # every rank loads its own slices once the group exists; prompts are sized from the config
-        cfg, tokenizer = _config_and_tokenizer(args.model)
-    else:
-        ckpt = load_checkpoint(args.model, device=device, progress=True, quantization=args.quantization)
-        cfg, tokenizer = ckpt.config, ckpt.tokenizer
+    cfg, tokenizer = _config_and_tokenizer(args.model)  # prompts are sized from the config, before weights load
     prompts = encode_prompts(items, tokenizer, args.model)
     max_pos = cfg.max_position_embeddings
     for i, (_, ids) in enumerate(prompts):
@@ -184,29 +175,21 @@ def cmd_generate(args) -> int:
             raise UserError(f"prompt {i}: {len(ids)} tokens exceeds max_position_embeddings={max_pos}")
     # size the engine for this batch: every prompt runs at once, the KV cache holds exactly what they need
     max_len = min(max(len(ids) for _, ids in prompts) + args.max_tokens, max_pos)
-    llm_kwargs = dict(speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
-                      spec_budget=args.spec_budget, max_num_seqs=min(len(prompts), 64), max_model_len=max(max_len, 2),
-                      enforce_eager=args.enforce_eager, expert_parallel=args.enable_expert_parallel)
-    pg = None
-    if tp > 1:  # ranks 1.. load and shard the same checkpoint in their own processes and follow rank 0
-        from sparkspec.engine.llm import run_rank
-        from sparkspec.engine.lockstep import launch
-
-        pg = launch(tp, run_rank, (str(args.model), args.device, None, llm_kwargs, args.quantization), device)
-        ckpt = load_checkpoint(args.model, device=device, progress=True, parallel=pg,
-                               expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
-    llm = None  # the `finally` runs when LLM(...) fails too, and must not hide that error
+    llm = None  # the `finally` runs when building fails too, and must not hide that error
     try:
-        llm = LLM(ckpt, parallel=pg, **llm_kwargs)
+        llm = build_llm(args.model, tensor_parallel_size=args.tensor_parallel_size,
+                        device=args.device,
+                        quantization=args.quantization, expert_parallel=args.enable_expert_parallel,
+                        speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
+                        spec_budget=args.spec_budget, max_num_seqs=min(len(prompts), 64),
+                        max_model_len=max(max_len, 2), enforce_eager=args.enforce_eager)
         t0 = time.perf_counter()
         outs = llm.generate([ids for _, ids in prompts], params)
     except ValueError as e:
         raise UserError(str(e).splitlines()[0]) from None
     finally:
-        if pg is not None:
-            from sparkspec.engine.lockstep import finish
-
-            finish(llm.engine if llm is not None else None)
+        if llm is not None:
+            llm.close()
     total = time.perf_counter() - t0
     spec = [SpecMetrics.from_request(llm.method, llm.num_spec_tokens, o.metrics) for o in outs]
     for i, ((text, ids), out) in enumerate(zip(prompts, outs)):

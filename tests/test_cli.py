@@ -39,6 +39,8 @@ def test_bad_generate_inputs(capsys, tmp_path, tiny_checkpoint):
 
 def test_missing_optional_package_names_the_extra(capsys, monkeypatch, tiny_checkpoint):
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` now fails like an absent package
+    for name in ("sparkspec.serve.connections", "sparkspec.serve.api"):  # imported (with uvicorn) by other tests
+        monkeypatch.delitem(sys.modules, name, raising=False)
     code, err = run(capsys, "serve", "--model", str(tiny_checkpoint))
     assert code == 2 and "sparkspec[serve]" in err[-1]
 

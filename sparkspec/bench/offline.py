@@ -73,8 +73,7 @@ def run_level(engine, prompt_ids: list[list[int]], concurrency: int, num_request
 def run_offline(args) -> list[dict]:
     import torch
 
-    from sparkspec.engine.config import EngineConfig
-    from sparkspec.engine.llm_engine import LLMEngine
+    from sparkspec.engine.llm import build_llm
     from sparkspec.loading.checkpoint import load_checkpoint
     from sparkspec.platform import check_device
     from sparkspec.sampling_params import SamplingParams
@@ -90,16 +89,15 @@ def run_offline(args) -> list[dict]:
     texts = load_prompts(args.dataset or None, num=max(args.num_prompts, 1))
     tok = ckpt.tokenizer
     limit = args.max_prompt_tokens
-    prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]))[-limit:] for t in texts]
+    prompt_ids = [tok.encode_chat([{"role": "user", "content": t}])[-limit:] for t in texts]
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     rows = []
     for setting in settings:
-        config = EngineConfig(max_num_seqs=max(concurrencies), max_num_batched_tokens=args.max_num_batched_tokens,
-                              speculative=setting.method, spec_budget=setting.budget,
-                              num_spec_tokens=setting.num_spec_tokens, max_waiting=1 << 20,
-                              enforce_eager=args.enforce_eager)
-        t0 = time.perf_counter()
-        engine = LLMEngine(ckpt.model, tok, config, ckpt.drafter_tensors)
+        t0 = time.perf_counter()  # every setting's engine shares the one loaded model
+        engine = build_llm(ckpt, speculative=setting.method, spec_budget=setting.budget,
+                           num_spec_tokens=setting.num_spec_tokens, max_num_seqs=max(concurrencies),
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           enforce_eager=args.enforce_eager).engine
         startup = time.perf_counter() - t0
         engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for c in concurrencies:

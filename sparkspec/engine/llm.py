@@ -5,7 +5,9 @@ top-level fields are sample 0's); `logprobs=N` / `prompt_logprobs=N` fill `Reque
 {token id: logprob} per output token) and `.prompt_logprobs` (None for the first prompt token).
 
 Every tool that generates text offline (`sparkspec generate`, `sparkspec eval`, `train regenerate`, tests) goes
-through this class or `LLMEngine` directly, so there is one generation path to keep exact.
+through this class or `LLMEngine` directly, so there is one generation path to keep exact. `build_llm` is the one
+way the command-line tools (`generate`, `serve`, `bench offline`) build it from their flags, for one process or
+several (tensor parallel).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class LLM:
 
             model = load_checkpoint(model, device=device, dtype=dtype)
         self.checkpoint = model
+        self.parallel = parallel
         self.method = default_spec_method(model) if speculative == "auto" else speculative
         engine_kw.setdefault("max_waiting", 1 << 20)
         if parallel is not None and parallel.world_size > 1:
@@ -73,8 +76,52 @@ class LLM:
         tok = self.tokenizer
         if tok is None:
             raise ValueError("this checkpoint has no tokenizer")
-        ids = tok.encode(tok.apply_chat_template(messages))
+        ids = tok.encode_chat(messages)  # special-token text in a message stays text, as in the server
         return self.engine.generate([ids], sampling_params or SamplingParams())[0]
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel engine, when done: stop the other ranks and leave the group. Nothing to do
+        for one process."""
+        if self.parallel is not None and self.parallel.world_size > 1 and self.parallel.rank == 0:
+            from sparkspec.engine.lockstep import finish
+
+            finish(self.engine)
+
+
+def build_llm(model, tensor_parallel_size: int = 1, device: str | None = None, dtype: str | None = None,
+              quantization: str = "auto", expert_parallel: bool = False, progress: bool = True,
+              **llm_kwargs) -> LLM:
+    """The engine from the command-line flags' values, for one process or `tensor_parallel_size` of them.
+
+    One process: load `model` (a directory; or a `LoadedCheckpoint`, which several engines may share) and build
+    the `LLM`. N processes: start ranks 1..N-1 (each loads its own slices, builds the same engine and follows
+    rank 0: `run_rank`), then load rank 0's slices here; `llm.engine` is then the `DistributedLLMEngine` that
+    drives them, and `llm.close()` stops them. `llm_kwargs` are `LLM`'s: speculative (auto: dspark when the
+    checkpoint has its weights), num_spec_tokens, spec_budget, and `EngineConfig`'s fields."""
+    from sparkspec.loading.checkpoint import load_checkpoint
+
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size}: expected a positive integer")
+    if tensor_parallel_size == 1:
+        if isinstance(model, (str, Path)):
+            model = load_checkpoint(model, device=device, dtype=dtype, progress=progress, quantization=quantization)
+        return LLM(model, **llm_kwargs)
+    if not isinstance(model, (str, Path)):
+        raise ValueError("a tensor-parallel engine loads its checkpoint on every rank: pass its directory")
+    from sparkspec.engine.lockstep import finish, launch, rank_device
+
+    spec = llm_kwargs.get("speculative", "none")  # bad flags fail here, before any process starts
+    EngineConfig(**{"max_waiting": 1 << 20, **llm_kwargs, "speculative": "none" if spec == "auto" else spec})
+    llm_kwargs = {**llm_kwargs, "expert_parallel": expert_parallel}
+    rank0 = rank_device(0, device)
+    pg = launch(tensor_parallel_size, run_rank, (str(model), device, dtype, llm_kwargs, quantization), rank0)
+    ckpt = load_checkpoint(model, device=rank0, dtype=dtype, progress=progress, parallel=pg,
+                           expert_parallel=expert_parallel, quantization=quantization)
+    try:
+        return LLM(ckpt, parallel=pg, **llm_kwargs)
+    except BaseException:  # the other ranks are waiting for this one: stop them before the error goes up
+        finish(None)
+        raise
 
 
 def parallel_engine_kwargs(pg, speculative: str, spec_budget: str) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by `serve` and `bench offline`."""
+    """Engine flags of `serve` (`engine_kwargs` turns them into `build_llm`'s keywords)."""
     from sparkspec.spec_decode.methods import SPEC_METHODS
 
     p.add_argument("--spec", choices=SPEC_METHODS, default=None,
@@ -37,61 +37,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA / HIP graphs (by default decode and verify steps replay captured graphs on a GPU)")
 
 
-def engine_config_from_args(args, speculative: str, **extra):
-    from sparkspec.engine.config import EngineConfig
+def engine_kwargs(args) -> dict:
+    """`build_llm`'s keywords from the engine flags (`add_engine_args`)."""
     from sparkspec.engine.kv_plan import parse_memory
 
-    return EngineConfig(
+    return dict(
+        speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens, spec_budget=args.spec_budget,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
-        memory_fraction=args.kv_cache_fraction, speculative=speculative, num_spec_tokens=args.num_spec_tokens,
-        spec_budget=args.spec_budget, enforce_eager=args.enforce_eager, **extra)
+        memory_fraction=args.kv_cache_fraction, enforce_eager=args.enforce_eager, device=args.device,
+        dtype=args.dtype, quantization=getattr(args, "quantization", "auto"))
 
 
 def build_engine(args, **extra):
-    """Load the checkpoint and build an LLMEngine from the parsed flags -> (engine, checkpoint)."""
-    from sparkspec.engine.llm import default_spec_method
-    from sparkspec.engine.llm_engine import LLMEngine
-    from sparkspec.loading.checkpoint import load_checkpoint
+    """Load the checkpoint and build the engine from the parsed flags (`engine.llm.build_llm`) -> the `LLM`.
+    With --tensor-parallel-size N, `llm.engine` drives the other ranks; a heartbeat keeps them in step while idle."""
+    from sparkspec.engine.llm import build_llm
 
     model_dir = Path(args.model) if args.model else _default_model()
     if not model_dir.exists():
         raise ValueError(f"model directory not found: {model_dir}")
-    if getattr(args, "tensor_parallel_size", 1) > 1:
-        return build_parallel_engine(args, model_dir, **extra)
-    ckpt = load_checkpoint(model_dir, device=args.device, dtype=args.dtype, progress=True,
-                           quantization=getattr(args, "quantization", "auto"))
-    spec = args.spec or default_spec_method(ckpt)
-    config = engine_config_from_args(args, spec, **extra)
-    return LLMEngine(ckpt.model, ckpt.tokenizer, config, ckpt.drafter_tensors), ckpt
-
-
-def build_parallel_engine(args, model_dir: Path, **extra):
-    """--tensor-parallel-size N: ranks 1.. load their slices in their own processes (one per GPU; gloo on CPU)
-    and follow rank 0 (`engine.lockstep.worker_loop`); rank 0, here, loads its slices and returns the
-    `DistributedLLMEngine` the async engine drives, with a heartbeat for the idle ranks."""
-    from sparkspec.engine.llm import LLM, run_rank
-    from sparkspec.engine.lockstep import launch, rank_device
-    from sparkspec.loading.checkpoint import load_checkpoint
-
-    if args.tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected a positive integer")
-    config = engine_config_from_args(args, args.spec or "none", **extra)  # validates the flags before launching
-    llm_kwargs = {k: getattr(config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                                                  "block_size", "kv_cache_memory", "memory_fraction",
-                                                  "enforce_eager", "max_waiting")}
-    llm_kwargs.update(speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
-                      spec_budget=args.spec_budget, expert_parallel=args.enable_expert_parallel)
-    device = rank_device(0, args.device)
-    quantization = getattr(args, "quantization", "auto")
-    pg = launch(args.tensor_parallel_size, run_rank,
-                (str(model_dir), args.device, args.dtype, llm_kwargs, quantization), device)
-    ckpt = load_checkpoint(model_dir, device=device, dtype=args.dtype, progress=True, parallel=pg,
-                           expert_parallel=args.enable_expert_parallel, quantization=quantization)
-    engine = LLM(ckpt, parallel=pg, **llm_kwargs).engine
-    engine.start_heartbeat()
-    return engine, ckpt
+    tp = getattr(args, "tensor_parallel_size", 1)
+    llm = build_llm(model_dir, tensor_parallel_size=tp, expert_parallel=getattr(args, "enable_expert_parallel", False),
+                    **engine_kwargs(args), **extra)
+    if tp > 1:
+        llm.engine.start_heartbeat()
+    return llm
 
 
 def _default_model() -> Path:
@@ -164,7 +136,8 @@ def cmd_serve(args) -> int:
                               max_connections=args.max_connections)
     sock = listen_socket(args.host, args.port)  # before the model loads: a bad or taken port fails in a second
     check_device(args.device)
-    engine, ckpt = build_engine(args, max_waiting=args.max_waiting)
+    llm = build_engine(args, max_waiting=args.max_waiting)
+    engine, ckpt = llm.engine, llm.checkpoint
     name = args.served_model_name or Path(ckpt.path).name
     print(f"serving '{name}' from {ckpt.path} on http://{args.host}:{sock.getsockname()[1]} "
           f"(spec={engine.config.speculative}, budget={engine.config.spec_budget}); {engine.kv_plan.describe()}",
@@ -184,10 +157,7 @@ def cmd_serve(args) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        if args.tensor_parallel_size > 1:  # the other ranks stop with rank 0
-            from sparkspec.engine.lockstep import finish
-
-            finish(engine)
+        llm.close()  # tensor parallel: the other ranks stop with rank 0
     if server.failure is not None:
         print(f"sparkspec serve: the engine died ({server.failure!r}); exiting with code 1", file=sys.stderr)
         return 1
