@@ -110,11 +110,12 @@ def test_chat(client):
     assert r.object == "chat.completion" and r.usage.completion_tokens <= 5
 
 
-def test_streaming_completion_and_chat(client):
+def test_streaming_completion_and_chat(client, server):
     chunks = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=6, stream=True,
                                             extra_body={"ignore_eos": True}))
     assert chunks[-1].choices[0].finish_reason == "length"
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+    messages = [{"role": "user", "content": "Hi"}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True})
     chunks = list(stream)
@@ -126,8 +127,10 @@ def test_streaming_completion_and_chat(client):
     greedy = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True,
         extra_body={"ignore_eos": True}) if c.choices)
-    assert greedy == full.choices[0].message.content
-    assert isinstance(text, str)
+    plain = LLMEngine(server.engine.model, server.engine.tokenizer, EngineConfig())  # no speculation
+    ref = plain.generate([server.engine.tokenizer.encode_chat(messages)], SamplingParams(max_tokens=6,
+                                                                                          ignore_eos=True))[0]
+    assert text == greedy == full.choices[0].message.content == ref.text  # streamed chunks add up to the reply
 
 
 def test_64_concurrent_streams(server):

@@ -173,16 +173,19 @@ def test_speculative_extension(servers):
     wait_idle(server.engine)
     stats = server.engine.stats
     c = client(server)
-    drafted = stats.num_drafted
+    drafted, spec_steps = stats.num_drafted, stats.num_spec_steps
     off = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
                                extra_body={"ignore_eos": True, "speculative": {"num_spec_tokens": 0}})
     assert stats.num_drafted == drafted  # k = 0: no draft verified
     disabled = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
                                     extra_body={"ignore_eos": True, "speculative": {"enabled": False}})
     assert stats.num_drafted == drafted
+    accepted_at = list(stats.accepted_per_position)
     capped = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
                                   extra_body={"ignore_eos": True, "speculative": {"num_spec_tokens": 1}})
-    assert stats.num_drafted > drafted and max(len(stats.accepted_per_position), 1) >= 1
+    # capped at 1: it drafted, and every step that verified drafts verified exactly one, accepted at position 0 only
+    assert stats.num_drafted - drafted == stats.num_spec_steps - spec_steps > 0
+    assert list(stats.accepted_per_position)[1:] == accepted_at[1:]
     assert off.choices[0].text == disabled.choices[0].text == capped.choices[0].text
     k = server.engine.spec.num_spec_tokens
     with httpx.Client(base_url=server.url) as http:
