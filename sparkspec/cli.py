@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-budget", choices=["adaptive", "fixed"], default="adaptive",
                    help="fixed: always draft k tokens; adaptive: the engine's measured verification budget")
     g.add_argument("--device", default=None)
-    g.add_argument("--quantization", choices=["auto", "keep", "dequantize"], default="auto", help="FP8 / FP4 checkpoint weights: keep them quantised (FP8 GEMMs, FP4 experts), dequantize them to --dtype, or auto (keep on GPUs, dequantize on CPU)")
+    g.add_argument("--quantization", choices=["auto", "keep", "dequantize"], default="auto",
+                   help="FP8 / FP4 checkpoint weights: keep them quantised (FP8 GEMMs, FP4 experts), dequantize "
+                   "them to --dtype, or auto (keep on GPUs, dequantize on CPU)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (one per GPU, or gloo on CPU)")

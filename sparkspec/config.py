@@ -113,7 +113,8 @@ class ModelConfig:
             if t not in LAYER_TYPES:
                 _fail("layer_types", t, f"one of {LAYER_TYPES}")
         for t in (CSA, HCA):
-            if t in self.layer_types and not (isinstance(self.compress_rates.get(t), int) and self.compress_rates[t] > 1):
+            rate = self.compress_rates.get(t)
+            if t in self.layer_types and not (isinstance(rate, int) and rate > 1):
                 _fail("compress_rates", self.compress_rates, f"an integer ratio > 1 for '{t}'")
         if CSA in self.layer_types:
             for name in ("index_n_heads", "index_head_dim", "index_topk"):
@@ -174,7 +175,7 @@ class ModelConfig:
 
     # ---- serialisation ----
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         if d.get("model_type", "deepseek_v4") not in ("deepseek_v4", "deepseek_v41", "deepseek_v4_dspark"):
             _fail("model_type", d.get("model_type"), "'deepseek_v4'")
@@ -283,7 +284,7 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
@@ -296,7 +297,7 @@ class ModelConfig:
         return cls.from_dict(d)
 
     @classmethod
-    def preset(cls, name: str) -> "ModelConfig":
+    def preset(cls, name: str) -> ModelConfig:
         path = PRESET_DIR / f"{name}.json"
         if not path.is_file():
             names = sorted(p.stem for p in PRESET_DIR.glob("*.json"))

@@ -21,8 +21,8 @@ from sparkspec.engine.budget import (
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.kv_plan import cache_bytes_per_token, parse_memory, plan_kv_cache
 from sparkspec.engine.llm_engine import LLMEngine
-from sparkspec.sampling_params import SamplingParams
 from sparkspec.ops.sampling import SamplingTensors
+from sparkspec.sampling_params import SamplingParams
 from sparkspec.spec_decode.proposer import HostProposer
 from sparkspec.spec_decode.rejection import RejectionSampler
 
@@ -205,9 +205,13 @@ def test_survival_and_early_stop_appendix_a():
     sps = {1: 1.0, 2: 0.5, 3: 0.45}.__getitem__
     # Θ0 = 1.0, Θ1 = 1.8 × 0.5 = 0.9: stop before looking at a2 (the global argmax would take l = 2 if c2 = 0.9)
     assert verify_lengths([[0.8, 0.72]], sps, 1, 1) == [0]
-    flat = lambda n: 1.0
+    def flat(n):
+        return 1.0
+
     assert verify_lengths([[0.9, 0.5], [0.8, 0.0]], flat, 2, 2) == [2, 1]
-    linear = lambda n: 1.0 / n  # compute-bound: extra tokens never pay
+    def linear(n):  # compute-bound: extra tokens never pay
+        return 1.0 / n
+
     assert verify_lengths([[0.99, 0.98]], linear, 1, 1) == [0]
 
 
@@ -231,7 +235,9 @@ def test_padded_budget_verifies_every_draft_or_none():
     their expected tokens pay for the q = 1 + k step (and the drafter), else none, from past acceptance only."""
     k = 4
     # R requests: the plain step costs R ms up to 64 rows, the verify step 8x its rows' worth past that
-    points = lambda r: [(r, 0.001 * max(r, 16)), (r * (1 + k), 0.001 * max(r * (1 + k), 16) * (2 if r > 8 else 1))]
+    def points(r):
+        return [(r, 0.001 * max(r, 16)), (r * (1 + k), 0.001 * max(r * (1 + k), 16) * (2 if r > 8 else 1))]
+
     table = CostTable({r: points(r) for r in (1, 4, 16, 64)}, [(r, 0.0005) for r in (1, 4, 16, 64)])
     budget = VerificationBudget("adaptive", k, table, padded=True)
     for _ in range(200):

@@ -12,9 +12,8 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from conftest import DEVICE, tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process

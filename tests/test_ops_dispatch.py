@@ -66,4 +66,4 @@ def test_a_failed_kernel_import_is_logged_once(monkeypatch, caplog):
 
 def test_unknown_op_names_the_known_ones():
     with pytest.raises(AttributeError, match="sparse_attention"):
-        registry.OpTable().no_such_op
+        _ = registry.OpTable().no_such_op

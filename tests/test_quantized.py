@@ -318,7 +318,8 @@ def test_rank_slices_of_kept_weights_are_the_whole_model_cut(tmp_path, expert_pa
                 want_s = want_s.narrow(cut.dim, cut.start // block, -(-(cut.stop - cut.start) // block))
             assert torch.equal(got[name].view(torch.uint8), want_w.view(torch.uint8)), name
             assert torch.equal(got[scale_name], want_s), scale_name
-            compared.add(re.sub(r"^layers\.\d+\.|\.\d+(?=\.)|\.weight$", "", name) + ("" if cut.dim is None else " cut"))
+            base = re.sub(r"^layers\.\d+\.|\.\d+(?=\.)|\.weight$", "", name)
+            compared.add(base + ("" if cut.dim is None else " cut"))
         experts = {f"ffn.experts.{w}" + ("" if expert_parallel else " cut") for w in ("w1", "w2", "w3")}
         assert compared == {"attn.wq_b cut", "attn.wo_b cut", "ffn.shared_experts.w1 cut", "ffn.shared_experts.w2 cut",
                             "ffn.shared_experts.w3 cut"} | experts

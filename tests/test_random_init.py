@@ -18,7 +18,8 @@ CPU = torch.device("cpu")
 def test_bf16_random_model_gives_finite_varied_logits():
     cfg = ModelConfig.preset("tiny")
     model, drafter = random_model(cfg, CPU, torch.bfloat16, drafter="dspark")
-    assert model.layers[0].attn.wq_a.weight.dtype == torch.bfloat16 and model.layers[0].hc_attn_fn.dtype == torch.float32
+    assert model.layers[0].attn.wq_a.weight.dtype == torch.bfloat16
+    assert model.layers[0].hc_attn_fn.dtype == torch.float32
     ids = torch.randint(2, cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = forward_sequences(model, ids, [48]).logits

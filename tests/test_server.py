@@ -82,7 +82,8 @@ def client(server):
 def wait_idle(engine: LLMEngine, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
     while engine.has_unfinished() or engine.kv_usage > 0:
-        assert time.time() < deadline, f"engine not idle: running={engine.scheduler.num_running} usage={engine.kv_usage}"
+        assert time.time() < deadline, \
+            f"engine not idle: running={engine.scheduler.num_running} usage={engine.kv_usage}"
         time.sleep(0.02)
 
 

@@ -129,7 +129,8 @@ def test_optional_heads():
     reference = generate(model, prompts, params)
     for method, t in (("dspark", no_conf), ("mtp", no_norm)):
         assert generate(model, prompts, params, build_proposer(method, model, t, 2)) == reference
-    eng = LLMEngine(model, None, EngineConfig(spec_budget="fixed"), proposer=build_proposer("dspark", model, no_conf, 2))
+    proposer = build_proposer("dspark", model, no_conf, 2)
+    eng = LLMEngine(model, None, EngineConfig(spec_budget="fixed"), proposer=proposer)
     seqs = [eng.add_request(p, params) for p in prompts]
     eng.step()
     assert all(s.spec.confidences is None and len(s.spec.draft_ids) == 2 for s in seqs)

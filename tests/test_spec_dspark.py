@@ -5,13 +5,13 @@ import pytest
 import torch
 from spec_helpers import drafter_tensors, one_thread, random_target, tiny_config, tiny_setup  # noqa: F401
 
+from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.loading.drafters import dspark_from_tensors
 from sparkspec.models.dspark import context_rows
 from sparkspec.ops import ops
 from sparkspec.ops.indices import dspark_block_indices, dspark_index_width
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.engine.config import EngineConfig
-from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.spec_decode import build_proposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,7 +65,8 @@ def test_block_attention_is_non_causal_and_matches_dense_reference(drafter, num_
         if k > 1:
             causal = dense_block_attention(stage, h, pos, ctx_kv[-W:] if num_ctx else ctx_kv, causal=True)
             assert (got[0] - causal[0]).abs().max() > 1e-3  # row 0 sees the later block rows
-            torch.testing.assert_close(got[-1], causal[-1], rtol=1e-5, atol=1e-6)  # the last row sees the same rows either way
+            # the last row sees the same rows either way
+            torch.testing.assert_close(got[-1], causal[-1], rtol=1e-5, atol=1e-6)
 
 
 def test_batched_blocks_equal_blocks_run_alone(drafter):

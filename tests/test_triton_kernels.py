@@ -1,8 +1,8 @@
 """Triton kernels vs their PyTorch natives (the oracles).
 
 On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported);
-with SPARKSPEC_TEST_DEVICE=cuda the same tests run the compiled kernels. bf16 results are compared with the native evaluated on
-fp32-upcast inputs and may differ by 1 bf16 ulp (the interpreter truncates; GPUs round and use tf32 dots on
+with SPARKSPEC_TEST_DEVICE=cuda the same tests run the compiled kernels. bf16 results are compared with the native
+evaluated on fp32-upcast inputs and may differ by 1 bf16 ulp (the interpreter truncates; GPUs round and use tf32 dots on
 the bf16-exact operands; values under 1/4 get the ulp at 1/4 because sums of ±terms cancel).
 """
 
@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from conftest import DEVICE  # SPARKSPEC_TEST_DEVICE=cuda runs the compiled kernels on a GPU
 
 if DEVICE.type == "cpu":

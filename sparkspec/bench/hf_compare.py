@@ -48,7 +48,7 @@ def transformers_pair(cfg: ModelConfig, device: torch.device, dtype: torch.dtype
         hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**transformers_config(cfg)))
     hf = hf.to(dtype).eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for _name, p in hf.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, p.shape[-1] ** -0.5)
         for name, b in hf.named_buffers():

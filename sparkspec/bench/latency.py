@@ -157,7 +157,8 @@ def profile_steps(eng, device: torch.device, num_steps: int = 8) -> dict:
     launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     syncs = sum(1 for e in events if "Synchronize" in e.name)
     busy = sum(getattr(e, "device_time", 0) or getattr(e, "cuda_time", 0) for e in kernels) / 1e6
-    out = {"kernels_per_step": len(kernels) / num_steps, "launches_per_step": launches / num_steps, "syncs_per_step": syncs / num_steps,
+    out = {"kernels_per_step": len(kernels) / num_steps, "launches_per_step": launches / num_steps,
+           "syncs_per_step": syncs / num_steps,
            "gpu_busy_fraction": round(busy / wall, 3) if wall else 0.0}
     print(f"profile over {num_steps} decode steps: {out}", flush=True)
     return out
@@ -226,7 +227,9 @@ def build_model(args, cfg: ModelConfig | None, device: torch.device, dtype: torc
         from sparkspec.spec_decode.dspark import DSparkProposer
 
         k = args.num_spec_tokens or cfg.dspark_block_size
-        factory = lambda: DSparkProposer(model, drafter, k)  # a fresh one per engine
+
+        def factory():  # a fresh one per engine
+            return DSparkProposer(model, drafter, k)
     return model, {}, factory, None
 
 
@@ -268,7 +271,8 @@ def bench_rank(pg, args) -> list[dict]:
                             drafter_tensors, out=extra, proposer=proposer and proposer(), probe=probe, **common)
         active = step_bytes(model, b, args.input_len + args.output_len // 2, 1 + k, args.uniform_routing)
         floor = 1000 * active / bandwidth
-        row = {"batch": b, "rank": rank, "ms_per_step": round(ms, 3), "tok_s": round(extra.get("tok_s", 1000 * b / ms), 1),
+        row = {"batch": b, "rank": rank, "ms_per_step": round(ms, 3),
+               "tok_s": round(extra.get("tok_s", 1000 * b / ms), 1),
                "floor_ms": round(floor, 4), "x_floor": round(ms / floor, 1),
                "active_GB": round(active / 1e9, 3), "active_MB_per_token": round(active / 1e6 / (b * (1 + k)), 2),
                "mem_GB": round(torch.cuda.max_memory_allocated(device) / 1e9, 1) if device.type == "cuda" else None,
@@ -306,7 +310,8 @@ def bench_rank(pg, args) -> list[dict]:
             "output_len": args.output_len, "spec": args.spec, "num_spec_tokens": k or None,
             "tensor_parallel_size": world, "expert_parallel": args.enable_expert_parallel,
             "uniform_routing": args.uniform_routing, "num_layers": model.cfg.num_hidden_layers,
-            "weights": "checkpoint" if args.model else random_weights_name(model, args.dtype), "build_s": round(build_s, 1),
+            "weights": "checkpoint" if args.model else random_weights_name(model, args.dtype),
+            "build_s": round(build_s, 1),
             "copy_bandwidth_GBs": round(bandwidth / 1e9, 1)}
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {meta['device']}; model built in {build_s:.1f} s "
           f"({meta['weights']}, {meta['num_layers']} layers, {world} rank(s))", flush=True)

@@ -67,7 +67,8 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
-    num_decode_rows: int = 0  # request-steps after the first token: plain decode rows + verify blocks (tau's denominator)
+    # request-steps after the first token: plain decode rows + verify blocks (tau's denominator)
+    num_decode_rows: int = 0
     num_drafter_skipped_steps: int = 0  # steps where the budget planned no drafts at all
     spec: SpecMetrics = field(default_factory=SpecMetrics)  # every request's verify steps, pooled
 

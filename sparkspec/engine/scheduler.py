@@ -117,7 +117,8 @@ class Scheduler:
 
     # ---- one step ----
     def lookahead_for(self, seq: Sequence, budget: int) -> int:
-        """Draft slots for a decode row: k_max (or the request's own cap), but no more than the tokens the request may still produce."""
+        """Draft slots for a decode row: k_max (or the request's own cap), but no more than the tokens the request
+        may still produce."""
         # verifying the pending token + l drafts yields up to l + 1 new tokens
         room = min(seq.params.max_tokens - len(seq.output_ids), self.config.max_model_len - seq.num_tokens) - 1
         k = self.config.num_lookahead_tokens

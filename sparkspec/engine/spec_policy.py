@@ -133,8 +133,8 @@ class SpecPolicy:
         context_len = max(1, min(context_len, runner.cache.num_blocks * runner.cache.block_size - 2 * k - 2))
         per_seq = self.probe_blocks(runner, context_len)
         if per_seq > runner.cache.num_blocks:
-            raise ValueError(f"the KV cache ({runner.cache.num_blocks} blocks of {runner.cache.block_size}) cannot hold "
-                             "one request to measure the adaptive budget's step costs: raise --kv-cache-memory or "
+            raise ValueError(f"the KV cache ({runner.cache.num_blocks} blocks of {runner.cache.block_size}) cannot "
+                             "hold one request to measure the adaptive budget's step costs: raise --kv-cache-memory or "
                              "--max-model-len, or use --spec-budget fixed")
         grid, r = [], 1
         while r <= min(self.config.max_num_seqs, runner.cache.num_blocks // per_seq):

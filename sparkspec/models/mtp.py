@@ -80,7 +80,8 @@ class MTPDraftModel(nn.Module):
         prev_streams: torch.Tensor,  # [T, n·H] the target's (or this layer's previous) output streams
         next_ids: torch.Tensor,  # [T] the token following each row's position
         positions: torch.Tensor,  # [T]
-        attend: Callable[[Attention, torch.Tensor, torch.Tensor], torch.Tensor],  # (attn, normed h, positions) -> [T, H]
+        # (attn, normed h, positions) -> [T, H]
+        attend: Callable[[Attention, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """Rows of layer `layer(step)` -> output streams [T, n·H]. `attend` decides where the layer's K=V rows
         go and which rows each query reads (the caller's pool and index lists)."""
@@ -88,7 +89,8 @@ class MTPDraftModel(nn.Module):
         T, n, H = prev_streams.shape[0], cfg.hc_mult, cfg.hidden_size
         e = embed(next_ids).to(layer.e_proj.weight.dtype)
         e = e.masked_fill((positions == 0).unsqueeze(1), 0.0)  # [T, H]
-        x = layer.h_proj(layer.hnorm(prev_streams.view(T, n, H).to(e.dtype))) + layer.e_proj(layer.enorm(e)).unsqueeze(1)
+        x = layer.h_proj(layer.hnorm(prev_streams.view(T, n, H).to(e.dtype)))
+        x = x + layer.e_proj(layer.enorm(e)).unsqueeze(1)
         x = layer(x.contiguous(), positions, next_ids, lambda h: attend(layer.attn, h, positions))  # [T, n, H]
         return x.flatten(1)
 

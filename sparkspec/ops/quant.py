@@ -5,9 +5,10 @@ Legend: M rows of x (tokens), N output features, K input features.
 `fp8_block_linear(x, weight, scale)` = x · dequant(weight)ᵀ. The native version dequantises and multiplies in
 fp32 (the oracle). On accelerators:
 * CUDA, at SCALED_MM_MIN_ROWS rows or more (prefill), with a torch whose `F.scaled_mm` takes the DeepSeek
-  recipe (activations 1×128 blocks, weights 128×128 blocks, fp32 scales; cuBLAS on sm90 / sm100): x is quantised to e4m3 per 1×128 block with power-of-two
-  scales, as the official inference does before every FP8 GEMM, and the GEMM runs on FP8 tensor cores. This
-  rounds the activations (about 2^-4 relative per element), so it is close to the oracle, not equal. Set
+  recipe (activations 1×128 blocks, weights 128×128 blocks, fp32 scales; cuBLAS on sm90 / sm100): x is quantised
+  to e4m3 per 1×128 block with power-of-two scales, as the official inference does before every FP8 GEMM, and
+  the GEMM runs on FP8 tensor cores. This rounds the activations (about 2^-4 relative per element), so it is
+  close to the oracle, not equal. Set
   SPARKSPEC_FP8_ACTIVATIONS=0 to use the Triton kernel instead. The layout is checked once per device on a
   small probe against the oracle; a build or GPU that gets it wrong uses the Triton kernel.
 * otherwise the Triton kernel (`triton_kernels.quant`): activations as they are, weight tiles dequantised in

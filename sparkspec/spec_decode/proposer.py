@@ -69,7 +69,7 @@ class Proposer(ABC):
         """Pool bytes one cached position costs (charged per block by the engine's KV plan)."""
         return 0
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:  # noqa: B027 (a no-op default: host drafters keep no pools)
         """Allocate the per-position pools for the engine's blocks (none for a host drafter)."""
 
 
