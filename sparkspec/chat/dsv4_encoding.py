@@ -150,7 +150,7 @@ def encode_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
         raise ValueError(f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)}, got {reasoning_effort!r}")
     validate_messages(messages)
     turns = order_tool_results(merge_tool_results(attach_tools(messages, tools)))
-    keep_thinking = not drop_thinking
+    keep_thinking = not drop_thinking or any(m.get("tools") for m in turns)
     if mode == "thinking" and not keep_thinking:
         turns = drop_earlier_thinking(turns)
     out = _Builder()
