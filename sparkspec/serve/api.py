@@ -8,7 +8,7 @@ engine whether it can run it; `run.py` drives it on the engine and streams or re
 The handlers are module-level and read everything from `app.state`:
   engine    the `AsyncLLMEngine` (its facade: info, tokenizer, encode_prompt, check, generate, abort, stats)
   metrics   the `ServerMetrics` (Prometheus registry)
-  settings  the `ServerSettings` (model name, default max_tokens, body size limit)
+  settings  the `ServerSettings` (model name, default max_tokens, body size limit, chat format)
   draining  True once `drain` (called by the server on SIGTERM) has begun: new requests get 503, running ones
             have a while to finish, then the rest end with an error event."""
 
@@ -26,6 +26,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sparkspec.chat import resolve_chat_format
 from sparkspec.engine.async_engine import AsyncLLMEngine, EngineInfo
 from sparkspec.serve.errors import install_error_handlers
 from sparkspec.serve.metrics import ServerMetrics
@@ -40,15 +41,17 @@ router = APIRouter()
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int = 256,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, chat_format: str = "auto") -> FastAPI:
     """The app over `engine`; the engine thread starts with the app and stops with it. Besides the state above,
     `app.state.drain(timeout)` and `app.state.count_refused(status)` are for the server (serve/cli.py) and its
-    HTTP protocol (connections.py)."""
+    HTTP protocol (connections.py). `chat_format` (auto | deepseek-v4 | jinja) that the tokenizer cannot serve is
+    a ValueError naming `chat_format`."""
     app = FastAPI(title="sparkspec", lifespan=lifespan)
     metrics = ServerMetrics(engine)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.state.settings = ServerSettings(model_name, default_max_tokens, max_request_bytes)
+    app.state.settings = ServerSettings(model_name, default_max_tokens, max_request_bytes,
+                                        chat_format_of(engine.tokenizer, chat_format))
     app.state.draining = False
     app.state.drain = functools.partial(drain, app)
     app.state.count_refused = lambda status: metrics.http_errors.labels(str(status)).inc()
@@ -56,6 +59,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str, default_max_tokens: int 
     app.include_router(router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
+
+
+def chat_format_of(tokenizer, requested: str):
+    if tokenizer is None:
+        if requested != "auto":
+            raise ValueError(f"chat_format: {requested} needs a tokenizer; this model has none")
+        return None
+    return resolve_chat_format(tokenizer, requested)
 
 
 @contextlib.asynccontextmanager
@@ -88,7 +99,7 @@ def server_info(info: EngineInfo, settings: ServerSettings) -> dict:
     through the `speculative` extension whenever the server drafts at all."""
     k = info.num_spec_tokens
     return {"model": settings.model_name, "max_model_len": info.max_model_len,
-            "default_max_tokens": settings.default_max_tokens,
+            "default_max_tokens": settings.default_max_tokens, "chat_format": settings.chat_format,
             "speculative": {"method": info.spec_method, "num_spec_tokens": k, "budget": info.spec_budget,
                             "per_request_method": False,
                             "per_request_method_reason": "the server runs one method, chosen at start (--spec)",
@@ -113,11 +124,11 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     engine, settings = request.app.state.engine, request.app.state.settings
     raw = await read_body(request)
-    req, prompt_ids, params = await asyncio.to_thread(prepare_chat, engine, settings, raw)
+    req, prompt_ids, params, output = await asyncio.to_thread(prepare_chat, engine, settings, raw)
     check_accepting(request)
     admit(engine, prompt_ids, params)
     view = ChatView(f"chatcmpl-{uuid.uuid4().hex[:24]}", settings.model_name, engine.tokenizer, prompt_ids,
-                    params.logprobs, req.wants_token_sources())
+                    params.logprobs, req.wants_token_sources(), output)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await run(request, prompt_ids, params, view, req.stream, include_usage)
 

@@ -90,6 +90,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds a client has to send a request's body after its head; then 408 and close")
     p.add_argument("--max-connections", type=int, default=512,
                    help="open connections at most; one more is answered 503 and closed")
+    p.add_argument("--chat-format", choices=["auto", "deepseek-v4", "jinja"], default="auto",
+                   help="how /v1/chat/completions renders messages: deepseek-v4 (DeepSeek-V4's encoding: thinking, "
+                        "tools), jinja (the checkpoint's chat template), or auto (deepseek-v4 for a tokenizer with "
+                        "the V4 markers and no template, else the template)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (one per GPU: NCCL; gloo on CPU)")
@@ -139,17 +143,21 @@ def cmd_serve(args) -> int:
     llm = build_engine(args, max_waiting=args.max_waiting)
     engine, ckpt = llm.engine, llm.checkpoint
     name = args.served_model_name or Path(ckpt.path).name
+    async_engine = AsyncLLMEngine(engine)
+    try:  # a --chat-format the tokenizer cannot serve: one line, exit 2
+        app = create_app(async_engine, name, default_max_tokens=args.default_max_tokens,
+                         max_request_bytes=args.max_request_bytes, chat_format=args.chat_format)
+    except ValueError:
+        llm.close()
+        raise
     print(f"serving '{name}' from {ckpt.path} on http://{args.host}:{sock.getsockname()[1]} "
-          f"(spec={engine.config.speculative}, budget={engine.config.spec_budget}); {engine.kv_plan.describe()}",
-          file=sys.stderr)
+          f"(spec={engine.config.speculative}, budget={engine.config.spec_budget}, "
+          f"chat format {app.state.settings.chat_format or 'none'}); {engine.kv_plan.describe()}", file=sys.stderr)
     if engine.runner.graphs is not None:
         g = engine.runner.graphs
         print(f"CUDA graphs: {len(g.graphs)} captured (batch sizes {g.sizes}, query lengths {list(g.query_lens)}, "
               f"one-request prefills of {list(g.prefill_lens)} tokens) in "
               f"{g.capture_seconds:.1f} s, {g.graph_bytes / 2**20:.0f} MiB", file=sys.stderr)
-    async_engine = AsyncLLMEngine(engine)
-    app = create_app(async_engine, name, default_max_tokens=args.default_max_tokens,
-                     max_request_bytes=args.max_request_bytes)
     config = uvicorn_config(app, limits, app.state.count_refused, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     server = _server_class()(config, app.state.drain, args.shutdown_timeout)

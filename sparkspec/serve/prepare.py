@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from sparkspec.chat import ChatFormat
 from sparkspec.engine.async_engine import AsyncLLMEngine
 from sparkspec.engine.scheduler import QueueFullError
 from sparkspec.sampling_params import SamplingParams
+from sparkspec.serve.chat_format import ChatOutput, chat_prompt
 from sparkspec.serve.errors import RETRY_AFTER_S, from_engine
 from sparkspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, load_json,
                                       parse_request, short)
@@ -28,6 +30,7 @@ class ServerSettings:
     model_name: str  # the only `model` a request may name
     default_max_tokens: int = 256  # max_tokens of a request that gives none (capped by the context left)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies are refused (413) before parsing
+    chat_format: ChatFormat | None = None  # how /v1/chat/completions renders messages (None: it cannot)
 
 
 def check_accepting(request: Request) -> None:
@@ -102,19 +105,15 @@ def prepare_completion(engine: AsyncLLMEngine, settings: ServerSettings, raw: by
     return req, prompt_ids, sampling_params(req, engine, settings, prompt_ids), text
 
 
-def prepare_chat(engine: AsyncLLMEngine, settings: ServerSettings, raw: bytes):
-    """-> (request, prompt ids, params). Message content is text: special-token text in it stays text, so a
-    message cannot forge a turn (only the template's own markers are special)."""
+def prepare_chat(engine: AsyncLLMEngine, settings: ServerSettings, raw: bytes
+                 ) -> tuple[ChatCompletionRequest, list[int], SamplingParams, ChatOutput | None]:
+    """-> (request, prompt ids, params, how to read the output). Messages are rendered in the server's chat format
+    (serve/chat_format.py); their content is text: special-token text in it stays text, so a message cannot forge
+    a turn (only the format's own markers are special)."""
     req = parse_request(ChatCompletionRequest, load_json(raw))
     check_model(req, settings)
-    tokenizer = engine.tokenizer
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise RequestError("this model has no chat template; use /v1/completions", "messages")
-    try:
-        prompt_ids = tokenizer.encode_chat(req.chat_messages())
-    except ValueError as e:
-        raise RequestError(str(e), "messages") from None
-    return req, prompt_ids, sampling_params(req, engine, settings, prompt_ids)
+    prompt_ids, output = chat_prompt(req, settings.chat_format, engine.tokenizer)
+    return req, prompt_ids, sampling_params(req, engine, settings, prompt_ids), output
 
 
 def admit(engine: AsyncLLMEngine, prompt_ids: list[int], params: SamplingParams) -> None:

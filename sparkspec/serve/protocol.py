@@ -182,20 +182,18 @@ class CompletionRequest(_Common):
         return p
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
+    """One message. Roles beyond system / user / assistant, `tool_calls`, `tool_call_id` and `reasoning_content`
+    exist for the DeepSeek-V4 chat format (serve/chat_format.py checks what a format takes); content parts are
+    checked there too, so that a bad one is named `messages[i].content[j]`."""
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant", "developer", "tool", "latest_reminder"]
+    content: str | list | None = None
+    name: str | None = None  # accepted and ignored
+    tool_calls: list | None = None  # assistant: OpenAI tool calls
+    tool_call_id: str | None = None  # tool: the call it answers
+    reasoning_content: str | None = None  # assistant: its reasoning (DeepSeek's API and vLLM spell it so)
 
 
 class ChatCompletionRequest(_Common):
@@ -203,12 +201,13 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list | None = None
+    tools: Any = None  # OpenAI function tools; these four are checked by serve/chat_format.py, per chat format
     tool_choice: Any = None
+    chat_template_kwargs: Any = None  # extension (vLLM): {"thinking": bool, "drop_thinking": bool}
+    reasoning_effort: Any = None  # "high" | "max" (DeepSeek-V4's encoder's values), thinking mode only
     response_format: dict | None = None
 
-    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "tools": (None, []), "tool_choice": (None, "none"),
-                               "response_format": (None, {"type": "text"})}
+    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "response_format": (None, {"type": "text"})}
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -221,9 +220,6 @@ class ChatCompletionRequest(_Common):
 
     def extra_params(self) -> dict:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
-
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
 def _no_constant(name: str):

@@ -39,6 +39,7 @@ async function loadInfo() {
   state.info = info;
   const spec = info.speculative;
   $("model").textContent = info.model;
+  $("chat-format").textContent = info.chat_format ? `chat format: ${info.chat_format}` : "no chat format";
   $("method-badge").textContent = spec.method === "none" ? "no speculation" : `${spec.method}, k = ${spec.num_spec_tokens}`;
   const opt = document.createElement("option");
   opt.textContent = spec.method;
