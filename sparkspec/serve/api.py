@@ -30,8 +30,15 @@ from sparkspec.chat import resolve_chat_format
 from sparkspec.engine.async_engine import AsyncLLMEngine, EngineInfo
 from sparkspec.serve.errors import install_error_handlers
 from sparkspec.serve.metrics import ServerMetrics
-from sparkspec.serve.prepare import (DEFAULT_MAX_REQUEST_BYTES, ServerSettings, admit, check_accepting,
-                                     prepare_chat, prepare_completion, read_body)
+from sparkspec.serve.prepare import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ServerSettings,
+    admit,
+    check_accepting,
+    prepare_chat,
+    prepare_completion,
+    read_body,
+)
 from sparkspec.serve.responses import ChatView, CompletionView
 from sparkspec.serve.run import run
 

@@ -32,7 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--quantization", choices=["auto", "keep", "dequantize"], default="auto", help="FP8 / FP4 checkpoint weights: keep them quantised (FP8 GEMMs, FP4 experts), dequantize them to --dtype, or auto (keep on GPUs, dequantize on CPU)")
+    p.add_argument("--quantization", choices=["auto", "keep", "dequantize"], default="auto",
+                   help="FP8 / FP4 checkpoint weights: keep them quantised (FP8 GEMMs, FP4 experts), dequantize "
+                        "them to --dtype, or auto (keep on GPUs, dequantize on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA / HIP graphs (by default decode and verify steps replay captured graphs on a GPU)")
 

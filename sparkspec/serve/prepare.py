@@ -16,8 +16,14 @@ from sparkspec.engine.scheduler import QueueFullError
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.serve.chat_format import ChatOutput, chat_prompt
 from sparkspec.serve.errors import RETRY_AFTER_S, from_engine
-from sparkspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, load_json,
-                                      parse_request, short)
+from sparkspec.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    load_json,
+    parse_request,
+    short,
+)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 LONG_TEXT_CHARS = 1 << 16  # shorter texts encode in milliseconds: the GIL is not held long enough to matter
