@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 SEED_MIN, SEED_END = -(2**63), 2**64  # the range torch.Generator.manual_seed accepts (int64 or uint64)
 MAX_N = 16  # samples per request
@@ -30,6 +32,34 @@ def sample_seed(seed: int, index: int) -> int:
     return h - 2**64 if h >= 2**63 else h
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the output to JSON (`json_object`: any JSON object or value xgrammar's builtin JSON grammar
+    takes) or to a JSON schema (`json_schema`, `schema` a dict or its JSON text). `strict` is OpenAI's flag,
+    recorded only: the output always follows the schema. Hashable (grammars are cached by it)."""
+
+    type: Literal["json_object", "json_schema"]
+    schema: Any = None
+    strict: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in ("json_object", "json_schema"):
+            raise ValueError(f"response_format.type = {self.type!r}: expected json_object or json_schema")
+        if self.type == "json_schema":
+            try:
+                schema = json.loads(self.schema) if isinstance(self.schema, str) else self.schema
+            except ValueError:
+                schema = None
+            if not isinstance(schema, dict):
+                raise ValueError("response_format.json_schema.schema: expected a JSON object")
+            # as text: hashable; the key order is kept, since it is the order the output follows
+            object.__setattr__(self, "schema", json.dumps(schema))
+
+    @property
+    def schema_json(self) -> str:
+        return self.schema
+
+
 @dataclass
 class SamplingParams:
     """`n`: independent samples of the prompt (`LLMEngine.generate` groups them in `RequestOutput.outputs`);
@@ -37,6 +67,9 @@ class SamplingParams:
     (0: the token's only); `prompt_logprobs`: N -> the same for prompt tokens 1.. (token 0 has none);
     `num_spec_tokens`: most drafts verified per step for this request (None: the engine's; 0: no speculation).
     `max_tokens` may be 0 (the prompt is only scored, e.g. for `prompt_logprobs`).
+
+    `structured`: constrain the output by a grammar (`StructuredOutput`; `sparkspec.engine.grammar`), lossless
+    under speculation; the request finishes with "stop" when the grammar is complete and the model stops.
 
     `temperature`: any value >= 0 is served; below `MIN_TEMPERATURE` (1e-5, as in vLLM) the request is greedy,
     exactly as at 0 (the argmax; top_k / top_p do not apply), since a smaller T overflows `logits / T` in fp32."""
@@ -52,6 +85,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     num_spec_tokens: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _count(self.max_tokens, "max_tokens", 0)
@@ -77,6 +111,8 @@ class SamplingParams:
                 _count(getattr(self, name), name, 0, MAX_LOGPROBS)
         if self.num_spec_tokens is not None:
             _count(self.num_spec_tokens, "num_spec_tokens", 0)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured = {self.structured!r}: expected a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -136,6 +136,15 @@ class LLMEngine:
         self._max_stop_len: dict[str, int] = {}
         self._errors: dict[str, str] = {}  # request id -> why it failed, until its final output is emitted
         self._rng = random.Random()
+        self._grammars = None  # GrammarBackend, built on the first structured request
+
+    def grammars(self):
+        """The structured-output backend (xgrammar over this tokenizer and the model's vocabulary)."""
+        if self._grammars is None:
+            from sparkspec.engine.grammar import GrammarBackend
+
+            self._grammars = GrammarBackend(self.tokenizer, self.model.cfg.vocab_size, sorted(self.eos_ids))
+        return self._grammars
 
     # ---- requests ----
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -155,6 +164,8 @@ class LLMEngine:
         more drafts than the engine verifies)."""
         self.scheduler.check(len(prompt_ids), params.max_tokens)
         self.check_spec(params)
+        if params.structured is not None:
+            self.grammars().compile(params.structured)  # an invalid schema is refused here (cached for later)
 
     def check_spec(self, params: SamplingParams) -> None:
         limit = self.spec.num_spec_tokens if self.spec is not None else 0
@@ -169,12 +180,14 @@ class LLMEngine:
             raise ValueError(f"n = {params.n}: add_request takes one sample (SamplingParams.samples() splits them)")
         self.check_spec(params)
         prompt_ids = self.encode_prompt(prompt)
+        grammar = self.grammars().matcher(params.structured) if params.structured is not None else None
         seq_id = next(self._ids)
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(seq_id, prompt_ids, params, request_id=request_id, seed=seed)
+        seq.grammar = grammar
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         seq.logprobs = [] if params.logprobs is not None else None
@@ -209,10 +222,26 @@ class LLMEngine:
         items = sched.scheduled
         drafts, rows = self.spec.choose(items) if self.spec else ([[] for _ in items], [-1] * len(items))
         k_next = self.spec.num_drafts_to_propose(items, self.stats) if self.spec else 0
-        result = self.runner.execute(items, drafts, self.spec.draft_probs if self.spec else None, rows, k_next)
+        masks = self.grammar_masks(items, drafts, rows)
+        result = self.runner.execute(items, drafts, self.spec.draft_probs if self.spec else None, rows, k_next,
+                                     masks)
         produced = self.commit(items, drafts, result, k_next)
         self.stats.num_finished += len(self.scheduler.release_after_step())  # their blocks, rejected drafts' blocks
         return self.emit(items, produced)
+
+    def grammar_masks(self, items: list[ScheduledSeq], drafts: list[list[int]], rows: list[int]
+                      ) -> dict[int, object] | None:
+        """Token bitmasks of the verified rows of every structured request that samples this step (item -> [n+1, W]
+        int32), cutting its deterministic drafts at the first one the grammar refuses (`drafts` is edited; see
+        `sparkspec.engine.grammar` for why that is lossless and why sampled drafts are kept). None: no such request."""
+        masks = {}
+        for i, it in enumerate(items):
+            grammar = it.seq.grammar
+            if grammar is None or not it.samples:
+                continue
+            deterministic = rows[i] < 0 or self.spec is None or self.spec.draft_probs is None or it.seq.params.greedy
+            drafts[i], masks[i] = grammar.verify_masks(drafts[i], cut_refused=deterministic)
+        return masks or None
 
     def commit(self, items: list[ScheduledSeq], drafts: list[list[int]], result: StepResult, k_next: int
                ) -> dict[Sequence, list[int]]:
@@ -284,10 +313,15 @@ class LLMEngine:
             seq.first_token_time = time.perf_counter()
         new = []
         for tok in tokens:
+            if seq.grammar is not None and not seq.grammar.accept(tok):  # the masks make this unreachable
+                self.fail(seq, f"token {tok} is refused by the response_format grammar")
+                break
             seq.output_ids.append(tok)
             new.append(tok)
             self.stats.num_generation_tokens += 1
-            if tok in self.eos_ids and not p.ignore_eos:
+            if seq.grammar is not None and seq.grammar.is_terminated:  # complete, and the model stopped
+                seq.finish("stop")
+            elif tok in self.eos_ids and not p.ignore_eos:
                 seq.finish("stop")
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish("length")

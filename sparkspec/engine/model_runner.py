@@ -27,7 +27,7 @@ from sparkspec.engine.step_result import StepResult, read_step
 from sparkspec.models.cache import KVCache
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.forward_batch import build_batch, to_device
-from sparkspec.ops.sampling import SamplingTensors, gather_logprobs, logprobs_for
+from sparkspec.ops.sampling import SamplingTensors, apply_token_bitmask, gather_logprobs, logprobs_for
 from sparkspec.spec_decode.proposer import StepRows
 from sparkspec.spec_decode.rejection import RejectionSampler
 
@@ -125,6 +125,7 @@ class ModelRunner:
         draft_probs: torch.Tensor | None,  # the q of the previous step's drafts (`q_store`), or None (one-hot)
         draft_rows: list[int],  # per item: its row in draft_probs, -1 = one-hot q (greedy or host drafter)
         num_next_drafts: int,  # k for the device drafter at the end of this step (0 = do not draft)
+        token_masks: dict[int, torch.Tensor] | None = None,  # item -> [n+1, W] int32 grammar bitmask of its rows
     ) -> StepResult:
         """pack (host) -> forward -> accept -> draft -> the one copy back -> read. A decode / verify step replays
         the captured graph of all of it; other steps run the same functions eagerly.
@@ -132,8 +133,12 @@ class ModelRunner:
         Logprobs (only when a request of the step asks; host flags; such steps run eagerly): rows 0..L of a
         request that wants them go through `logprobs_for` (the distribution it samples from, never the
         drafter's), and prompt rows that score prompt tokens for `prompt_logprobs` (the raw log-softmax: those
-        tokens were not sampled) are added to `logits_rows`; both ride in the step's one copy."""
-        p = self.pack(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts)
+        tokens were not sampled) are added to `logits_rows`; both ride in the step's one copy.
+
+        Structured output (`token_masks`; such steps run eagerly too): the verified rows of those requests get
+        -inf outside their grammar's mask before the sampler, in a second host->device copy (the bitmasks)."""
+        p = self.pack(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts,
+                      token_masks is not None)
         down = Download()
         if p.key is not None:
             head = self.graphs.pack(p.key, p.item_ids, [it.seq.block_ids for it in items],
@@ -149,6 +154,8 @@ class ModelRunner:
                 empty = batch.positions[:0]
                 self.proposer.observe(StepRows(batch, out, dev["next_ids"], empty, empty, empty, empty, None))
             return read_step(p, down.fetch(), self.q_store)
+        if token_masks is not None:
+            dev["token_bitmask"] = self.bitmask_rows(p, token_masks).to(self.device, non_blocking=True)
         res = self.decode(batch, out, dev, len(p.sampling), p.K, p.mode, p.num_drafts)
         if p.logprob_rows:  # rows 0..K of the requests that ask (rows past L are read back but dropped)
             lp_t, K1 = dev["logprob_rows"], p.K + 1
@@ -168,10 +175,21 @@ class ModelRunner:
                 down.add("confidences", res.confidences[:S])
         return down.fetch()
 
-    def graph_key(self, p: PackedStep) -> GraphKey | None:
-        """The captured step a pure decode / verify step without logprobs runs as, or None (eager)."""
+    @staticmethod
+    def bitmask_rows(p: PackedStep, token_masks: dict[int, torch.Tensor]) -> torch.Tensor:
+        """-> [S, K+1, W] int32: each structured request's row masks, -1 (all allowed) everywhere else."""
+        W = next(iter(token_masks.values())).shape[1]
+        out = torch.full((len(p.sampling), p.K + 1, W), -1, dtype=torch.int32)
+        for s, i in enumerate(p.sampling):
+            if i in token_masks:
+                out[s, : token_masks[i].shape[0]] = token_masks[i]
+        return out
+
+    def graph_key(self, p: PackedStep, structured: bool = False) -> GraphKey | None:
+        """The captured step a pure decode / verify step without logprobs or structured output runs as, or None
+        (eager)."""
         items = p.items
-        if self.graphs is None or p.prompt_items or not all(it.samples for it in items) \
+        if self.graphs is None or structured or p.prompt_items or not all(it.samples for it in items) \
                 or any(sp.logprobs is not None for sp in p.params):
             return None
         if len(items) > 1 and any(it.num_tokens > 1 for it in items):  # prefills: of one request only
@@ -180,7 +198,7 @@ class ModelRunner:
         return self.graphs.key_for(len(items), max(len(ids) for ids in p.item_ids), p.mode, num_drafts)
 
     def pack(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
-             num_next_drafts: int) -> PackedStep:
+             num_next_drafts: int, structured: bool = False) -> PackedStep:
         """Host side of a step: rows, logits rows, and every int the device needs, packed by name."""
         p = PackedStep(items, drafts)
         logits_rows, first_lrow, rows = [], {}, 0
@@ -204,7 +222,7 @@ class ModelRunner:
         p.K = max((len(drafts[i]) for i in p.sampling), default=0)
         p.mode = sampling_mode(params)
         p.num_drafts = p.keep_drafts = num_next_drafts if self.drafts_on_device and p.sampling else 0
-        p.key = self.graph_key(p)
+        p.key = self.graph_key(p, structured)
         R = len(p.sampling)
         first = np.cumsum([0] + [len(ids) for ids in p.item_ids]).tolist()  # first forward row of every item
         item_rows = [len(ids) for ids in p.item_ids]
@@ -308,6 +326,8 @@ class ModelRunner:
         st = SamplingTensors(dev["temperature"].view(torch.float64).float(), dev["top_k"],
                              dev["top_p"].view(torch.float64).float(), dev["seeds"], all_greedy, any_top_k, any_top_p)
         logits = out.logits[dev["gather"]].view(S, K + 1, -1)  # [S, K+1, V]
+        if "token_bitmask" in dev:  # structured output (eager steps only): -inf outside each row's grammar mask
+            logits = apply_token_bitmask(logits, dev["token_bitmask"])
         draft_ids = dev["draft_ids"].view(S, K)
         q = None
         if K and not all_greedy:

@@ -68,6 +68,7 @@ class Sequence:
     spec: SpecState = field(default_factory=SpecState)
     seed: int = 0  # the request's seed, or one drawn at random on arrival: all its randomness derives from it
     detokenizer: Any = None  # IncrementalDetokenizer (engine-owned; None without a tokenizer)
+    grammar: Any = None  # RequestGrammar (engine/grammar.py) when params.structured is set
     logprobs: list | None = None  # [len(output_ids)] {id: logprob} per output token, when params.logprobs is set
     token_sources: list[int] = field(default_factory=list)  # [len(output_ids)] how each came (see TokenSource)
     prompt_logprobs: list | None = None  # [None, {..}, ...] per prompt token scored so far (params.prompt_logprobs)

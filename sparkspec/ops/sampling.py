@@ -182,6 +182,17 @@ def is_finite_dist(
     return ok
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [..., V]
+    bitmask: torch.Tensor,  # [..., W] int32, W = ceil(V / 32): bit j of word w allows token 32·w + j (xgrammar's)
+) -> torch.Tensor:
+    """-> logits [..., V] with -inf where the bitmask disallows the token (structured output's grammar mask)."""
+    V = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(-2)[..., :V]  # [..., V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def sample_draft(
     logits: torch.Tensor,  # [R, V] a drafter's logits
     st: SamplingTensors,  # R rows

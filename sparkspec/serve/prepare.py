@@ -128,7 +128,10 @@ def admit(engine: AsyncLLMEngine, prompt_ids: list[int], params: SamplingParams)
     try:
         engine.check(prompt_ids, params)
     except (QueueFullError, ValueError) as e:
-        raise from_engine(e, "max_tokens" if "max_tokens" in str(e) else "prompt") from None
+        msg = str(e)
+        field = msg.split(":")[0] if msg.startswith("response_format") else \
+            "max_tokens" if "max_tokens" in msg else "prompt"
+        raise from_engine(e, field) from None
     if not engine.is_running:
         raise RequestError("the engine is not running", status=503, type_="server_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)})

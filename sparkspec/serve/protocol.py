@@ -19,7 +19,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sparkspec.sampling_params import MAX_N, SEED_END, SEED_MIN, SamplingParams
+from sparkspec.engine.grammar import parse_response_format
+from sparkspec.sampling_params import MAX_N, SEED_END, SEED_MIN, SamplingParams, StructuredOutput
 
 MAX_JSON_DEPTH = 32  # far above any request we accept; deeper bodies could exhaust the stack while compared
 MAX_STOP, MAX_STOP_CHARS = 4, 1000  # OpenAI's count limit; long stop strings make every decode step slower
@@ -69,6 +70,7 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
+    response_format: Any = None  # text | json_object | json_schema (sparkspec.engine.grammar.parse_response_format)
 
     NEUTRAL: ClassVar[dict] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": (None, {})}
 
@@ -136,6 +138,16 @@ class _Common(BaseModel):
             raise RequestError("'sparkspec.token_sources' must be a boolean", "sparkspec.token_sources")
         return on
 
+    def structured_output(self) -> StructuredOutput | None:
+        """`response_format` -> what SamplingParams.structured takes (None: plain text); a 400 naming the field.
+        Whether the schema compiles is the engine's check (`LLMEngine.check_request`, at admission)."""
+        if self.response_format is None:
+            return None
+        try:
+            return parse_response_format(self.response_format)
+        except ValueError as e:
+            raise RequestError(str(e), str(e).split(":")[0].split(" ")[0]) from None
+
     def extra_params(self) -> dict:
         """SamplingParams fields particular to the endpoint (logprobs)."""
         return {}
@@ -143,10 +155,11 @@ class _Common(BaseModel):
     def sampling_params(self, default_max_tokens: int, num_spec_tokens: int | None = None) -> SamplingParams:
         stops = [] if self.stop is None else ([self.stop] if isinstance(self.stop, str) else list(self.stop))
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        structured = self.structured_output()
         try:  # the checks above should leave nothing for SamplingParams to refuse; if they miss one, still a 400
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=self.top_k, seed=self.seed, stop=stops, ignore_eos=self.ignore_eos, n=self.n,
-                                  num_spec_tokens=num_spec_tokens, **self.extra_params())
+                                  num_spec_tokens=num_spec_tokens, structured=structured, **self.extra_params())
         except ValueError as e:
             raise RequestError(str(e), str(e).split(" ")[0]) from None
 
@@ -205,9 +218,6 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     chat_template_kwargs: Any = None  # extension (vLLM): {"thinking": bool, "drop_thinking": bool}
     reasoning_effort: Any = None  # "high" | "max" (DeepSeek-V4's encoder's values), thinking mode only
-    response_format: dict | None = None
-
-    NEUTRAL: ClassVar[dict] = {**_Common.NEUTRAL, "response_format": (None, {"type": "text"})}
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -1,0 +1,135 @@
+"""Structured output: a grammar matcher per request, on the host, through xgrammar (mlc-ai/xgrammar).
+Legend: n drafts verified, W = ceil(V / 32) words of a token bitmask, V vocabulary.
+
+Terms:
+* **matcher** — the request's grammar state, advanced by every committed token (`LLMEngine.append`); it
+  terminates when the grammar is complete and the model emits a stop token (the engine then finishes the
+  request with finish_reason "stop").
+* **verify masks** — for a step that verifies drafts d_0..d_{n-1}, the allowed-token bitmask of each verified
+  row: row 0 from the matcher's state, row i+1 after accepting d_0..d_i; the matcher is then rolled back. The
+  target's logits get -inf outside the mask before the (rejection) sampler, so every emitted token is one the
+  grammar allows, and a refused draft has p(d_i) = 0: it is always rejected.
+* **refused draft** — d_i the grammar does not allow after d_<i. Rows past it cannot be reached (d_i is
+  rejected), so their masks allow everything. A deterministic draft (one-hot q: n-gram, greedy requests) is
+  cut there: rejecting it would draw from max(p - q, 0) = p (since p(d_i) = 0), which is exactly the bonus draw
+  from p the cut list gives. A sampled draft with an exact q (DSpark / MTP at T > 0) is kept and rejected by the
+  masked target: cutting it would change the residual the next token is drawn from, so it would not be lossless.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+
+from sparkspec.sampling_params import StructuredOutput
+
+
+def import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError("response_format: structured output needs the xgrammar package "
+                         "(pip install 'sparkspec[serve]')") from None
+    return xgrammar
+
+
+class GrammarBackend:
+    """Compiles response formats for one tokenizer (cached per format) and makes per-request matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        xgr = import_xgrammar()
+        if tokenizer is None:
+            raise ValueError("response_format: structured output needs the checkpoint's tokenizer")
+        hf = tokenizer.tok  # the tokenizers.Tokenizer of tokenizer.json
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(hf.to_str())
+        vocab = [""] * vocab_size  # ids past the tokenizer's (a padded embedding) stay empty: never allowed
+        for text, i in hf.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size:
+                vocab[i] = text
+        info = xgr.TokenizerInfo(vocab, vocab_type=meta["vocab_type"], vocab_size=vocab_size,
+                                 stop_token_ids=sorted(stop_token_ids), add_prefix_space=meta["add_prefix_space"])
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(info)
+        self.compile = functools.lru_cache(maxsize=256)(self._compile)
+
+    def _compile(self, fmt: StructuredOutput):
+        """-> CompiledGrammar, or ValueError naming response_format (an invalid or unsupported schema)."""
+        if fmt.type == "json_object":
+            return self.compiler.compile_builtin_json_grammar()
+        try:
+            # any_whitespace=False: compact JSON (", " and ": " separators), so a model cannot pad forever
+            # strict_mode: properties the schema does not name are not generated (the output still validates)
+            return self.compiler.compile_json_schema(fmt.schema_json, any_whitespace=False, strict_mode=True)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"response_format.json_schema.schema: not a JSON schema xgrammar accepts "
+                             f"({str(e).splitlines()[-1][:200]})") from None
+
+    def matcher(self, fmt: StructuredOutput) -> RequestGrammar:
+        return RequestGrammar(self.xgr, self.xgr.GrammarMatcher(self.compile(fmt)), self.vocab_size)
+
+
+class RequestGrammar:
+    """One request's matcher, advanced by its committed tokens."""
+
+    def __init__(self, xgr, matcher, vocab_size: int):
+        self.xgr, self.matcher = xgr, matcher
+        self.num_words = xgr.get_bitmask_shape(1, vocab_size)[1]  # W
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a committed token; False (state unchanged) if the grammar refuses it."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def verify_masks(self, drafts: list[int], cut_refused: bool) -> tuple[list[int], torch.Tensor]:
+        """-> (the drafts to verify, bitmask [n + 1, W] int32 of their rows). `cut_refused`: drop the drafts from
+        the first refused one on (deterministic drafts; see the module docstring); else keep them (rows past the
+        refused one allow everything). The matcher ends where it started."""
+        masks = torch.full((len(drafts) + 1, self.num_words), -1, dtype=torch.int32)  # -1: every bit set
+        self.matcher.fill_next_token_bitmask(masks, 0)
+        accepted = 0
+        for i, d in enumerate(drafts):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(d):
+                if cut_refused:
+                    drafts, masks = drafts[:i], masks[: i + 1]
+                break
+            accepted += 1
+            if not self.matcher.is_terminated():  # after a stop token nothing follows: the row is not read
+                self.matcher.fill_next_token_bitmask(masks, i + 1)
+        if accepted:
+            self.matcher.rollback(accepted)
+        return drafts, masks
+
+
+def parse_response_format(value) -> StructuredOutput | None:
+    """OpenAI's `response_format` -> StructuredOutput (None for {"type": "text"}); ValueError naming the field."""
+    if not isinstance(value, dict):
+        raise ValueError("response_format: expected an object such as {\"type\": \"json_object\"}")
+    kind = value.get("type")
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if extra:
+        raise ValueError(f"response_format.{extra[0]}: unknown field")
+    if kind == "text" or kind == "json_object":
+        if "json_schema" in value:
+            raise ValueError(f"response_format.json_schema: only with type json_schema (type is {kind!r})")
+        return None if kind == "text" else StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise ValueError(f"response_format.type = {json.dumps(kind)[:80]}: expected text, json_object or json_schema")
+    js = value.get("json_schema")
+    if not isinstance(js, dict):
+        raise ValueError("response_format.json_schema: expected an object {\"name\": ..., \"schema\": {...}}")
+    unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise ValueError(f"response_format.json_schema.{unknown[0]}: unknown field")
+    if not isinstance(js.get("name"), str) or not js["name"]:
+        raise ValueError("response_format.json_schema.name: expected a non-empty string")
+    if "strict" in js and js["strict"] is not None and not isinstance(js["strict"], bool):
+        raise ValueError("response_format.json_schema.strict: expected a boolean")
+    if "schema" not in js:
+        raise ValueError("response_format.json_schema.schema: missing")
+    return StructuredOutput("json_schema", js["schema"], js.get("strict"))
