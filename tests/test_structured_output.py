@@ -18,7 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from sparkspec.engine.config import EngineConfig  # noqa: E402
 from sparkspec.engine.grammar import GrammarBackend, parse_response_format  # noqa: E402
 from sparkspec.engine.llm_engine import LLMEngine  # noqa: E402
-from sparkspec.ops.sampling import apply_token_bitmask  # noqa: E402
+from sparkspec.ops.sampling import apply_token_bitmask, mask_draft_probs  # noqa: E402
 from sparkspec.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
 
 METHODS = ["none", "dspark", "mtp", "ngram"]
@@ -80,16 +80,27 @@ def test_bitmask_masks_logits():
     assert torch.isfinite(apply_token_bitmask(logits, torch.full((2, 2), -1, dtype=torch.int32))).all()
 
 
+def test_mask_draft_probs_renormalises_over_allowed_tokens():
+    q = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    mask = torch.tensor([[0b0110], [0b0011]], dtype=torch.int32)  # row 0: tokens 1, 2; row 1: tokens 0, 1
+    out = mask_draft_probs(q, mask)
+    assert torch.allclose(out[0], torch.tensor([0.0, 0.5, 0.5, 0.0]))
+    assert torch.equal(out[1], q[1])  # no allowed mass: q kept (its draft is refused and rejected)
+
+
 def test_verify_masks_cut_or_keep_refused_drafts(demo):
     backend = GrammarBackend(demo.tokenizer, demo.model.cfg.vocab_size, [1])
     g = backend.matcher(StructuredOutput("json_schema", {"enum": ["red", "green"]}))
     tok = demo.tokenizer
     good = tok.encode('"red"', add_special_tokens=False)
     bad = tok.encode("x", add_special_tokens=False)
-    drafts, masks = g.verify_masks(good + bad + good, cut_refused=True)
+    drafts, masks, _ = g.verify_masks(good + bad + good, cut_refused=True)
     assert drafts == good and masks.shape[0] == len(good) + 1
-    kept, masks = g.verify_masks(good + bad + good, cut_refused=False)
-    assert kept == good + bad + good and masks.shape[0] == len(kept) + 1
+    calls = []
+    redrawn, _, n = g.verify_masks(good + bad, cut_refused=False, redraw=lambda i, m: calls.append(i) or 1)
+    assert calls == [len(good)] and n == 1 and redrawn == good + [1]  # the stop token is allowed there
+    kept, masks, n = g.verify_masks(good + bad + good, cut_refused=False, redraw=lambda i, m: None)
+    assert n == 0 and kept == good + bad + good and masks.shape[0] == len(kept) + 1
     assert (masks[len(good) + 1 :] == -1).all()  # rows past the refused draft: unreachable, all allowed
     allowed = apply_token_bitmask(torch.zeros(len(kept) + 1, demo.model.cfg.vocab_size), masks)
     assert torch.isfinite(allowed[len(good), 1])  # after '"red"' the stop token is allowed
@@ -165,6 +176,7 @@ def test_sampled_distribution_with_speculation_equals_without(engines):
         counts[m] = collections.Counter(o.text for o in outs)
     base = counts["none"]
     assert len(base) >= 3  # the test sees a real choice
+    assert engines["dspark"].stats.num_grammar_redrawn + engines["mtp"].stats.num_grammar_redrawn > 0
     for m in METHODS[1:]:
         keys = set(base) | set(counts[m])
         chi2 = sum((base[k] - counts[m][k]) ** 2 / (base[k] + counts[m][k]) for k in keys)
@@ -247,3 +259,36 @@ def test_server_bad_response_format_is_400(client, rf, field):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], response_format=rf)
     assert e.value.body["param"] == field, e.value.body
     assert e.value.body["message"].startswith(field)
+
+
+def test_redraw_from_masked_q_is_lossless():
+    """The draft-side rule on the rejection sampler alone: d ~ q, a refused d redrawn from q_m, verified against q_m
+    with the masked target -> the emitted tokens follow the masked target p_m exactly (chi-square over 60k rows,
+    fixed seeds); verifying against the unmasked q instead is visibly biased (the test has power)."""
+    from sparkspec.ops.sampling import SamplingTensors
+    from sparkspec.spec_decode.rejection import RejectionSampler
+
+    R, V = 60_000, 6
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(V, generator=g).expand(R, 2, V).clone()  # [R, K+1 = 2, V]
+    q = torch.softmax(torch.randn(V, generator=g) * 2, -1)  # mass on refused tokens too
+    mask = torch.tensor([0b001111], dtype=torch.int32).expand(R, 2, 1)  # tokens 0..3 allowed
+    q_m = mask_draft_probs(q.expand(R, 1, V), mask[:, :1])
+    d = torch.multinomial(q.expand(R, V), 1, generator=g)  # [R, 1]
+    redraw = torch.multinomial(q_m[:, 0], 1, generator=g)
+    d = torch.where(d >= 4, redraw, d)
+    st = SamplingTensors(torch.ones(R), torch.zeros(R, dtype=torch.long), torch.ones(R), torch.arange(R), False,
+                         False, False)
+    masked = apply_token_bitmask(logits, mask)
+    p_m = torch.softmax(masked[0, 0], -1)
+    positions = torch.zeros(R, dtype=torch.long)
+
+    def chi2(q_verify):
+        out, _ = RejectionSampler()(masked, d, q_verify, st, positions)
+        counts = torch.bincount(out[:, 0], minlength=V).double()
+        expected = p_m.double() * R
+        assert counts[4:].sum() == 0  # never a token the grammar refuses
+        return float(((counts[:4] - expected[:4]) ** 2 / expected[:4]).sum())
+
+    assert chi2(q_m) < 30  # 3 df: p ~ 1e-6
+    assert chi2(q.expand(R, 1, V).clone()) > 100  # the unmasked q: biased

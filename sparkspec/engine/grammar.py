@@ -9,17 +9,28 @@ Terms:
   row: row 0 from the matcher's state, row i+1 after accepting d_0..d_i; the matcher is then rolled back. The
   target's logits get -inf outside the mask before the (rejection) sampler, so every emitted token is one the
   grammar allows, and a refused draft has p(d_i) = 0: it is always rejected.
-* **refused draft** — d_i the grammar does not allow after d_<i. Rows past it cannot be reached (d_i is
-  rejected), so their masks allow everything. A deterministic draft (one-hot q: n-gram, greedy requests) is
-  cut there: rejecting it would draw from max(p - q, 0) = p (since p(d_i) = 0), which is exactly the bonus draw
-  from p the cut list gives. A sampled draft with an exact q (DSpark / MTP at T > 0) is kept and rejected by the
-  masked target: cutting it would change the residual the next token is drawn from, so it would not be lossless.
+* **refused draft** — d_i the grammar does not allow after d_<i (the earlier drafts as finally verified).
+  - A deterministic draft (one-hot q: n-gram, greedy requests) is cut there, with the drafts after it:
+    rejecting it would draw from max(p - q, 0) = p (since p(d_i) = 0), which is exactly the bonus draw from p
+    the cut list gives.
+  - A sampled draft with an exact q (DSpark / MTP at T > 0) is redrawn from q masked by the grammar and
+    renormalised (q_m = q · allowed / (1 - Q_refused)), and every sampled draft is verified against its q_m
+    (the runner masks q on the device with the same row masks): keeping an allowed d_i and redrawing a refused
+    one is together exactly a draw from q_m (P(x) = q(x) + Q_refused · q_m(x) = q_m(x)), so verification stays
+    lossless (Leviathan et al., Theorem 1, with q_m as the proposal). The drafts after it were drawn given the
+    old d_i: auxiliary randomness, independent of the verifier's uniforms, so they stay valid proposals with
+    their own q, and are checked against the grammar in turn. The redraw reads q on the host (one small
+    device->host copy per redraw) and uses the counter RNG's STREAM_GRAMMAR at the draft's position, so a
+    seeded request stays reproducible. Where q has no mass on allowed tokens (q_m undefined) the draft is kept
+    with its q and the masked target rejects it (p(d_i) = 0: still lossless).
+  Rows past a refused draft that is kept cannot be reached (it is rejected), so their masks allow everything.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -63,9 +74,10 @@ class GrammarBackend:
             # any_whitespace=False: compact JSON (", " and ": " separators), so a model cannot pad forever
             # strict_mode: properties the schema does not name are not generated (the output still validates)
             return self.compiler.compile_json_schema(fmt.schema_json, any_whitespace=False, strict_mode=True)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"response_format.json_schema.schema: not a JSON schema xgrammar accepts "
-                             f"({str(e).splitlines()[-1][:200]})") from None
+        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError / ...: all mean a bad schema
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+            raise ValueError(f"response_format.json_schema.schema: not a JSON schema xgrammar accepts ({why})") \
+                from None
 
     def matcher(self, fmt: StructuredOutput) -> RequestGrammar:
         return RequestGrammar(self.xgr, self.xgr.GrammarMatcher(self.compile(fmt)), self.vocab_size)
@@ -86,24 +98,37 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
-    def verify_masks(self, drafts: list[int], cut_refused: bool) -> tuple[list[int], torch.Tensor]:
-        """-> (the drafts to verify, bitmask [n + 1, W] int32 of their rows). `cut_refused`: drop the drafts from
-        the first refused one on (deterministic drafts; see the module docstring); else keep them (rows past the
-        refused one allow everything). The matcher ends where it started."""
+    def verify_masks(self, drafts: list[int], cut_refused: bool,
+                     redraw: Callable[[int, torch.Tensor], int | None] | None = None
+                     ) -> tuple[list[int], torch.Tensor, int]:
+        """-> (the drafts to verify, bitmask [n + 1, W] int32 of their rows, number of drafts redrawn).
+        `cut_refused`: drop the drafts from the first refused one on (deterministic drafts); else `redraw(i,
+        mask of row i)` gives a replacement for refused d_i (None: keep it; rows past it then allow everything).
+        See the module docstring. The matcher ends where it started."""
+        drafts = list(drafts)
         masks = torch.full((len(drafts) + 1, self.num_words), -1, dtype=torch.int32)  # -1: every bit set
         self.matcher.fill_next_token_bitmask(masks, 0)
-        accepted = 0
+        accepted = num_redrawn = 0
         for i, d in enumerate(drafts):
-            if self.matcher.is_terminated() or not self.matcher.accept_token(d):
+            if self.matcher.is_terminated():  # after a stop token nothing is read
+                break
+            if not self.matcher.accept_token(d):
                 if cut_refused:
                     drafts, masks = drafts[:i], masks[: i + 1]
-                break
+                    break
+                new = redraw(i, masks[i]) if redraw is not None else None
+                if new is None:
+                    break
+                ok = self.matcher.accept_token(new)
+                assert ok, f"redrawn draft {new} outside the grammar's mask"
+                drafts[i] = new
+                num_redrawn += 1
             accepted += 1
             if not self.matcher.is_terminated():  # after a stop token nothing follows: the row is not read
                 self.matcher.fill_next_token_bitmask(masks, i + 1)
         if accepted:
             self.matcher.rollback(accepted)
-        return drafts, masks
+        return drafts, masks, num_redrawn
 
 
 def parse_response_format(value) -> StructuredOutput | None:

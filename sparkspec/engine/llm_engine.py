@@ -9,6 +9,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from sparkspec.engine.block_manager import BlockManager
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.kv_plan import KVCachePlan, plan_kv_cache
@@ -17,6 +19,8 @@ from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from sparkspec.engine.sequence import Sequence, TokenSource
 from sparkspec.engine.step_result import StepResult
 from sparkspec.models.cache import cache_dtype
+from sparkspec.ops.rng import uniform_at
+from sparkspec.ops.sampling import STREAM_GRAMMAR, bitmask_allowed, inverse_cdf
 from sparkspec.sampling_params import SamplingParams
 from sparkspec.spec_decode.metrics import SpecMetrics
 from sparkspec.tokenizer import IncrementalDetokenizer
@@ -70,6 +74,7 @@ class EngineStats:
     # request-steps after the first token: plain decode rows + verify blocks (tau's denominator)
     num_decode_rows: int = 0
     num_drafter_skipped_steps: int = 0  # steps where the budget planned no drafts at all
+    num_grammar_redrawn: int = 0  # sampled drafts a response_format grammar refused, redrawn from their masked q
     spec: SpecMetrics = field(default_factory=SpecMetrics)  # every request's verify steps, pooled
 
     @property
@@ -230,18 +235,40 @@ class LLMEngine:
         return self.emit(items, produced)
 
     def grammar_masks(self, items: list[ScheduledSeq], drafts: list[list[int]], rows: list[int]
-                      ) -> dict[int, object] | None:
+                      ) -> dict[int, torch.Tensor] | None:
         """Token bitmasks of the verified rows of every structured request that samples this step (item -> [n+1, W]
-        int32), cutting its deterministic drafts at the first one the grammar refuses (`drafts` is edited; see
-        `sparkspec.engine.grammar` for why that is lossless and why sampled drafts are kept). None: no such request."""
+        int32). `drafts` is edited: deterministic drafts are cut at the first one the grammar refuses, refused
+        sampled drafts are redrawn from their masked q (`sparkspec.engine.grammar` says why both are lossless).
+        None: no such request."""
         masks = {}
         for i, it in enumerate(items):
             grammar = it.seq.grammar
             if grammar is None or not it.samples:
                 continue
-            deterministic = rows[i] < 0 or self.spec is None or self.spec.draft_probs is None or it.seq.params.greedy
-            drafts[i], masks[i] = grammar.verify_masks(drafts[i], cut_refused=deterministic)
+            sampled = rows[i] >= 0 and self.spec is not None and self.spec.draft_probs is not None \
+                and not it.seq.params.greedy  # an exact q sits in draft_probs row rows[i]
+            redraw = self.grammar_redraw(it, rows[i]) if sampled else None
+            drafts[i], masks[i], num_redrawn = grammar.verify_masks(drafts[i], not sampled, redraw)
+            self.stats.num_grammar_redrawn += num_redrawn
         return masks or None
+
+    def grammar_redraw(self, it: ScheduledSeq, row: int):
+        """-> redraw(i, mask) for the sampled drafts of `it`: a draw from q_i masked by the grammar and renormalised,
+        with the request's seed at d_i's position on STREAM_GRAMMAR, or None where q_i has no allowed mass."""
+        seq, q_host = it.seq, []
+
+        def redraw(i: int, mask: torch.Tensor) -> int | None:
+            if not q_host:  # one copy of the request's q rows, on its first redraw of the step
+                q_host.append(self.spec.draft_probs[row].double().cpu())
+            q = q_host[0][i]
+            qm = torch.where(bitmask_allowed(mask, q.shape[-1]), q, 0.0)  # [V]
+            if not (qm > 0).any():
+                return None
+            position = seq.num_cached_tokens + it.num_tokens + i  # where d_i sits
+            u = uniform_at(torch.tensor([seq.seed]), torch.tensor([position]), STREAM_GRAMMAR, 0, torch.float64)
+            return int(inverse_cdf(qm.unsqueeze(0), u)[0])
+
+        return redraw
 
     def commit(self, items: list[ScheduledSeq], drafts: list[list[int]], result: StepResult, k_next: int
                ) -> dict[Sequence, list[int]]:

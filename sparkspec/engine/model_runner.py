@@ -27,7 +27,13 @@ from sparkspec.engine.step_result import StepResult, read_step
 from sparkspec.models.cache import KVCache
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.forward_batch import build_batch, to_device
-from sparkspec.ops.sampling import SamplingTensors, apply_token_bitmask, gather_logprobs, logprobs_for
+from sparkspec.ops.sampling import (
+    SamplingTensors,
+    apply_token_bitmask,
+    gather_logprobs,
+    logprobs_for,
+    mask_draft_probs,
+)
 from sparkspec.spec_decode.proposer import StepRows
 from sparkspec.spec_decode.rejection import RejectionSampler
 
@@ -326,8 +332,9 @@ class ModelRunner:
         st = SamplingTensors(dev["temperature"].view(torch.float64).float(), dev["top_k"],
                              dev["top_p"].view(torch.float64).float(), dev["seeds"], all_greedy, any_top_k, any_top_p)
         logits = out.logits[dev["gather"]].view(S, K + 1, -1)  # [S, K+1, V]
-        if "token_bitmask" in dev:  # structured output (eager steps only): -inf outside each row's grammar mask
-            logits = apply_token_bitmask(logits, dev["token_bitmask"])
+        bitmask = dev.get("token_bitmask")  # [S, K+1, W] structured output (eager steps only)
+        if bitmask is not None:  # -inf outside each verified row's grammar mask
+            logits = apply_token_bitmask(logits, bitmask)
         draft_ids = dev["draft_ids"].view(S, K)
         q = None
         if K and not all_greedy:
@@ -336,6 +343,8 @@ class ModelRunner:
             if self.q_store is not None:
                 q_rows = dev["q_rows"]
                 q = torch.where((q_rows >= 0).view(S, 1, 1), self.q_store[q_rows.clamp(min=0), :K], q)
+            if bitmask is not None:  # a sampled draft under a grammar was drawn from q_m (engine/grammar.py)
+                q = mask_draft_probs(q, bitmask[:, :K])
         tokens, num_accepted, is_finite = self.sampler.verify(logits, draft_ids, q, st, dev["positions"])
         return tokens, num_accepted, is_finite, st, logits
 

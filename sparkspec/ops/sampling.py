@@ -32,6 +32,7 @@ STREAM_TARGET = 0
 STREAM_DRAFT = 1
 STREAM_ACCEPT = 2
 STREAM_RESIDUAL = 3
+STREAM_GRAMMAR = 4  # structured output: redraws of sampled drafts the grammar refuses (engine/grammar.py)
 
 
 @native("process_logits")
@@ -182,15 +183,32 @@ def is_finite_dist(
     return ok
 
 
+def bitmask_allowed(
+    bitmask: torch.Tensor,  # [..., W] int32, W = ceil(V / 32): bit j of word w allows token 32·w + j (xgrammar's)
+    vocab_size: int,
+) -> torch.Tensor:
+    """-> [..., V] bool: the tokens a grammar bitmask allows."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(-2)[..., :vocab_size]
+
+
 def apply_token_bitmask(
     logits: torch.Tensor,  # [..., V]
-    bitmask: torch.Tensor,  # [..., W] int32, W = ceil(V / 32): bit j of word w allows token 32·w + j (xgrammar's)
+    bitmask: torch.Tensor,  # [..., W] int32 (see `bitmask_allowed`)
 ) -> torch.Tensor:
     """-> logits [..., V] with -inf where the bitmask disallows the token (structured output's grammar mask)."""
-    V = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(-2)[..., :V]  # [..., V]
-    return logits.masked_fill(~allowed, float("-inf"))
+    return logits.masked_fill(~bitmask_allowed(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def mask_draft_probs(
+    q: torch.Tensor,  # [..., V] draft distributions
+    bitmask: torch.Tensor,  # [..., W] int32: the grammar mask at each draft's position
+) -> torch.Tensor:
+    """-> [..., V] q restricted to the allowed tokens and renormalised (q_m of `engine/grammar.py`); a row with no
+    allowed mass keeps its q (its draft is refused, kept, and rejected by the masked target)."""
+    qm = q * bitmask_allowed(bitmask, q.shape[-1])
+    mass = qm.sum(-1, keepdim=True)
+    return torch.where(mass > 0, qm / torch.where(mass > 0, mass, 1.0), q)
 
 
 def sample_draft(
