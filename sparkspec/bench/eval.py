@@ -42,7 +42,7 @@ def load_prompts(name: str, data_dir: Path | None, tokenizer, num: int) -> list[
     from sparkspec.paths import find_eval_file, read_turns
 
     turns = read_turns(find_eval_file(name, data_dir))[:num]
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t[0]}])) for t in turns]
+    return [tokenizer.encode_chat([{"role": "user", "content": t[0]}]) for t in turns]
 
 
 def make_engine(checkpoint, method: str, k: int | None, max_len: int):
