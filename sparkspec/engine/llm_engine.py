@@ -139,7 +139,6 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._max_stop_len: dict[str, int] = {}
-        self._errors: dict[str, str] = {}  # request id -> why it failed, until its final output is emitted
         self._rng = random.Random()
         self._grammars = None  # GrammarBackend, built on the first structured request
 
@@ -209,7 +208,6 @@ class LLMEngine:
         if seq is None:
             return False
         self._max_stop_len.pop(request_id, None)
-        self._errors.pop(request_id, None)
         if not seq.is_finished:
             self.stats.num_aborted += 1
         self.scheduler.abort(seq)
@@ -314,7 +312,7 @@ class LLMEngine:
         """Finish `seq` with finish_reason "error" and `error` as its output's reason (its blocks are freed with
         the finished ones)."""
         seq.finish("error")
-        self._errors[seq.request_id] = error
+        seq.error = error
         self.stats.num_failed += 1
 
     def emit(self, items: list[ScheduledSeq], produced: dict[Sequence, list[int]]) -> list[RequestOutput]:
@@ -327,7 +325,6 @@ class LLMEngine:
                 if seq.is_finished:
                     self.requests.pop(seq.request_id, None)
                     self._max_stop_len.pop(seq.request_id, None)
-                    self._errors.pop(seq.request_id, None)
         return outputs
 
     def append(self, seq: Sequence, tokens: list[int]) -> None:
@@ -394,7 +391,7 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt_ids, token_ids, list(new), text, seq.is_finished,
                              seq.finish_reason, seq.num_cached_tokens, metrics, logprobs, scored,
                              [CompletionOutput(0, token_ids, text, seq.finish_reason, logprobs)],
-                             list(seq.token_sources), self._errors.get(seq.request_id))
+                             list(seq.token_sources), seq.error)
 
     # ---- offline convenience ----
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]

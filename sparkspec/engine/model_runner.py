@@ -24,7 +24,7 @@ from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.step_io import Download, Upload, float_bits
 from sparkspec.engine.step_result import StepResult, read_step
-from sparkspec.models.cache import KVCache
+from sparkspec.models.cache import KVCache, cache_dtype
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.forward_batch import build_batch, to_device
 from sparkspec.ops.sampling import (
@@ -112,7 +112,7 @@ class ModelRunner:
         """The pools every block id of the engine's block manager addresses (target and drafter)."""
         self.cache = KVCache(self.model, num_blocks, block_size)
         if self.proposer is not None:
-            self.proposer.allocate(num_blocks, block_size, self.device, self.model.embed.weight.dtype)
+            self.proposer.allocate(num_blocks, block_size, self.device, cache_dtype(self.model))  # as the plan prices
         for name, (shape, dtype) in self.buffers().items():
             setattr(self, name, torch.zeros(shape, dtype=dtype, device=self.device))
 

@@ -60,6 +60,7 @@ class Sequence:
     num_cached_tokens: int = 0  # positions of all_ids held by the model cache
     block_ids: list[int] = field(default_factory=list)  # blocks charged to this sequence (see block_manager)
     finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None  # why it failed (finish_reason 'error')
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
