@@ -17,6 +17,21 @@ decreasing a (ties: smaller j first, so admissions stay prefixes) while Theta im
 item that does not improve it. The early stop is what keeps rejection sampling exact: whether draft j is verified
 then depends only on items ranked above it, never on c_{r,j+1}, which the drafter computed from the value of
 draft j (paper App. A gives a counterexample for the global argmax; tests/test_engine.py checks it).
+
+Whole-step wall time (why the cost table alone drafted where drafting does not pay). The cost table times
+`runner.execute` of pure decode steps at a short context: the device plus the runner's packing. What the engine
+pays per step is more: scheduling, the choice of drafts, commit / emit / detokenisation (Python per request and
+per produced token), and, in a closed loop where requests keep arriving, steps that carry a prefill chunk and so
+run eagerly instead of as a CUDA graph (the eager drafter is many small launches). On the H200 demo at c = 16
+that made a drafting step cost ~3x a plain one where the table said ~1x, and adaptive ran at 0.71x plain.
+So the regime decision ("propose and verify drafts" = arm `spec`, or "plain decoding" = arm `plain`) reads the
+wall time the engine actually sees: `StepTimes` keeps, per request-count bucket and arm, the median of the last
+intervals between the starts of consecutive steps (everything the engine and its caller do per step), and
+    Theta_plain = R / T_plain(R),   Theta_spec = tau_spec(R) / T_spec(R)
+with tau_spec from the online acceptance estimate (R (1 + sum_j a_j) on padded steps). The choice is the argmax.
+Until both arms of a bucket are observed, the cost table decides (as before), and short probes of the arm not
+chosen (a few steps every `probe_every` decisions) keep both medians and the acceptance estimate fresh. The
+regime decision reads past steps only, never the drafts at hand, so verification stays lossless.
 """
 
 from __future__ import annotations
@@ -24,8 +39,12 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import os
 import platform
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,37 +178,178 @@ def load_or_measure(key: str, measure: Callable[[], CostTable], cache_dir: Path 
     return table
 
 
+Arm = Literal["plain", "spec"]
+ARMS: tuple[Arm, Arm] = ("plain", "spec")
+
+
+def bucket_of(num_reqs: int) -> int:
+    """Request-count bucket: the nearest power of two in log scale (15 and 16 share one, 11 and 12 do not)."""
+    return round(math.log2(max(num_reqs, 1)))
+
+
+class StepTimes:
+    """Wall seconds per engine step, per (request-count bucket, arm): the median of the last `window` samples
+    (robust to a JIT compile or a GC pause, deterministic given the samples)."""
+
+    def __init__(self, window: int = 16, max_seconds: float = 10.0):
+        self.window = window
+        self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
+        self.samples: dict[tuple[int, Arm], deque[float]] = {}
+
+    def observe(self, num_reqs: int, arm: Arm, seconds: float) -> None:
+        if not 0.0 < seconds <= self.max_seconds:
+            return
+        self.samples.setdefault((bucket_of(num_reqs), arm), deque(maxlen=self.window)).append(seconds)
+
+    def count(self, num_reqs: int, arm: Arm) -> int:
+        return len(self.samples.get((bucket_of(num_reqs), arm), ()))
+
+    def seconds(self, num_reqs: int, arm: Arm) -> float | None:
+        d = self.samples.get((bucket_of(num_reqs), arm))
+        return statistics.median(d) if d else None
+
+
+@dataclass
+class _Probe:
+    """Per bucket: decisions made, when the last probe started, how many ran, and the one in progress."""
+
+    num_decisions: int = 0
+    last_start: int = -(10**9)
+    num_started: int = 0
+    arm: Arm | None = None
+    left: int = 0
+
+
 class VerificationBudget:
-    """Chooses l_r for every decode request of a step. `fixed` verifies every draft; `adaptive` runs Algorithm 1,
-    or, on `padded` steps, chooses between verifying every draft and none.
+    """Chooses l_r for every decode request of a step and k for the next one. `fixed` verifies every draft;
+    `adaptive` runs Algorithm 1, or, on `padded` steps, verifies every draft or none.
 
     Padded steps (CUDA graphs): a decode step runs as a graph of R requests x q rows, q in {1, 1 + k}, so a
     step that verifies one draft costs the same as one that verifies k for every request. Algorithm 1's token
     cost does not hold there, and with the early stop it would never pay the jump to q = 1 + k for a first item
-    that is worth less than the jump. The padded rule compares, per step, the expected tokens per second of
-    "draft and verify k for every request" against plain decoding, from the measured (R, q) step times and the
-    online per-position acceptance rates. It reads only past steps, never the drafts at hand, so verification
-    stays lossless."""
+    that is worth less than the jump. The padded rule compares the expected tokens per second of "draft and
+    verify k for every request" against plain decoding.
 
-    def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None, padded: bool = False):
+    Regime (the module docstring): `next_num_drafts` decides, once per step, whether the next step drafts at all,
+    from the measured whole-step wall times (`StepTimes`, fed by `step_boundary` / `note_step`) once both arms of
+    the request-count bucket are observed, else from the cost table; it also runs the probes. Padded steps verify
+    every draft that such a decision had proposed (the drafter's time is already spent, and the arm's wall time
+    includes the verify step). Everything reads past steps only, never the drafts at hand: lossless."""
+
+    def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None, padded: bool = False,
+                 clock: Callable[[], float] = time.perf_counter, min_samples: int = 2, probe_every: int = 32,
+                 probe_len: int = 3, max_first_probes: int = 4):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
             raise ValueError("adaptive verification needs a cost table")
+        if probe_len < 2:
+            raise ValueError(f"probe_len = {probe_len}: a probe needs >= 2 steps (the first is a transition)")
         self.mode = mode
         self.num_spec_tokens = num_spec_tokens
         self.cost = cost
         self.padded = padded
         self.estimator = AcceptanceEstimator(max(num_spec_tokens, 1))
+        self.step_times = StepTimes()
+        self.clock = clock
+        self.min_samples = min_samples  # per arm and bucket before the measured times replace the cost table
+        self.probe_every = probe_every  # decisions between probes of the arm not chosen
+        self.probe_len = probe_len  # decisions a probe lasts (its first step is a transition, not a sample)
+        self.max_first_probes = max_first_probes  # back-to-back probes of an arm that has no samples yet
+        self._probes: dict[int, _Probe] = {}
+        self._proposing = False  # the last `next_num_drafts` asked for drafts: padded steps verify them all
+        self._step_start: float | None = None
+        self._last_step: tuple[int, bool, bool] | None = None  # (requests, verified any, proposed any)
 
+    # ---- whole-step wall time ----
+    def step_boundary(self) -> None:
+        """A step starts: the interval since the previous start is that step's wall time, filed under its arm
+        (steps that verified and proposed drafts: spec; neither: plain; a transition between them: not filed)."""
+        now = self.clock()
+        if self._step_start is not None and self._last_step is not None:
+            num_reqs, verified, proposed = self._last_step
+            if verified == proposed:
+                self.step_times.observe(num_reqs, "spec" if verified else "plain", now - self._step_start)
+        self._step_start, self._last_step = now, None
+
+    def note_step(self, num_reqs: int, num_verified: int, num_proposed: int) -> None:
+        """What the step that `step_boundary` opened does: sampling requests, drafts verified, drafts to propose."""
+        self._last_step = (num_reqs, num_verified > 0, num_proposed > 0)
+
+    # ---- modelled throughput ----
     def speculation_pays(self, num_reqs: int) -> bool:
-        """Padded steps: whether drafting k and verifying them all beats plain decoding for `num_reqs` requests."""
+        """Padded steps, cost table: whether drafting k and verifying them all beats plain decoding."""
         k = self.num_spec_tokens
         tau = num_reqs * (1 + sum(survival(self.estimator.rates(k))))
         spec_s = self.cost.target_seconds(num_reqs, num_reqs * (1 + k)) + self.cost.draft_seconds(num_reqs)
         plain_s = self.cost.target_seconds(num_reqs, num_reqs)
         return tau / max(spec_s, 1e-9) > num_reqs / max(plain_s, 1e-9)
 
+    def static_plan(self, num_reqs: int, num_base_tokens: int) -> tuple[int, float, float, float]:
+        """The cost table's view -> (k of the spec arm, expected tokens of a spec step, its seconds, plain seconds).
+        k = 0: the table finds no draft worth verifying (non-padded only)."""
+        k = self.num_spec_tokens
+        a = survival(self.estimator.rates(k))
+        plain_s = self.cost.target_seconds(num_reqs, num_base_tokens)  # no drafter call
+        if self.padded:
+            spec_s = self.cost.target_seconds(num_reqs, num_reqs * (1 + k)) + self.cost.draft_seconds(num_reqs)
+            return k, num_reqs * (1 + sum(a)), spec_s, plain_s
+        sps = self.cost.steps_per_second(num_reqs)  # includes the drafter's time
+        ls = verify_lengths([a] * num_reqs, sps, num_base_tokens, num_reqs)
+        tau = num_reqs + sum(sum(a[:n]) for n in ls)
+        return max(ls), tau, 1.0 / sps(num_base_tokens + sum(ls)), plain_s
+
+    def measured(self, num_reqs: int) -> bool:
+        """Both arms of this request count's bucket have enough wall-time samples to replace the cost table."""
+        return all(self.step_times.count(num_reqs, arm) >= self.min_samples for arm in ARMS)
+
+    def modelled_throughput(self, num_reqs: int, num_base_tokens: int | None = None) -> dict[Arm, float]:
+        """Expected tokens per second of each arm at `num_reqs` sampling requests: measured wall times where
+        `measured`, else the cost table's. The spec arm is worth 0 where the table verifies no draft."""
+        base = num_reqs if num_base_tokens is None else num_base_tokens
+        k, tau, spec_s, plain_s = self.static_plan(num_reqs, base)
+        if self.measured(num_reqs):
+            spec_s, plain_s = self.step_times.seconds(num_reqs, "spec"), self.step_times.seconds(num_reqs, "plain")
+        return {"plain": num_reqs / max(plain_s, 1e-9), "spec": tau / max(spec_s, 1e-9) if k else 0.0}
+
+    def plan_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
+        """The modelled choice, no probes, no state: k if the spec arm's Theta beats plain decoding, else 0
+        (0: the next step skips the drafter, no speculation tax)."""
+        if self.mode == "fixed" or num_reqs == 0:
+            return self.num_spec_tokens
+        theta = self.modelled_throughput(num_reqs, num_base_tokens)
+        return self.spec_k(num_reqs, num_base_tokens) if theta["spec"] > theta["plain"] else 0
+
+    def spec_k(self, num_reqs: int, num_base_tokens: int) -> int:
+        """k of the spec arm: every draft on padded steps, else what Algorithm 1 would verify (at least 1)."""
+        if self.padded:
+            return self.num_spec_tokens
+        return max(self.static_plan(num_reqs, num_base_tokens)[0], 1)
+
+    def next_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
+        """Once per engine step: `plan_num_drafts`, except during a probe of the other arm. A probe starts every
+        `probe_every` decisions of a bucket, or right away (up to `max_first_probes` times) while the arm has
+        fewer than `min_samples` samples, and lasts `probe_len` decisions."""
+        if self.mode == "fixed" or num_reqs == 0:
+            return self.num_spec_tokens
+        k = self.plan_num_drafts(num_reqs, num_base_tokens)
+        st = self._probes.setdefault(bucket_of(num_reqs), _Probe())
+        st.num_decisions += 1
+        if not st.left:
+            other: Arm = "plain" if k else "spec"
+            since = st.num_decisions - st.last_start
+            unseen = self.step_times.count(num_reqs, other) < self.min_samples
+            if since >= self.probe_every or (unseen and st.num_started < self.max_first_probes
+                                             and since > self.probe_len):
+                st.arm, st.left, st.last_start = other, self.probe_len, st.num_decisions
+                st.num_started += 1
+        if st.left:
+            st.left -= 1
+            k = self.spec_k(num_reqs, num_base_tokens) if st.arm == "spec" else 0
+        self._proposing = k > 0
+        return k
+
+    # ---- verification ----
     def survivals(self, confidences: Sequence[Sequence[float] | None], num_drafts: Sequence[int]) -> list[list[float]]:
         """Confidence-head survival where a drafter gives one, else the online per-position estimate."""
         out = []
@@ -202,26 +362,10 @@ class VerificationBudget:
         if self.mode == "fixed":
             return list(num_drafts)
         if self.padded:
-            return list(num_drafts) if self.speculation_pays(len(num_drafts)) else [0] * len(num_drafts)
+            pays = self._proposing or self.speculation_pays(len(num_drafts))
+            return list(num_drafts) if pays else [0] * len(num_drafts)
         sps = self.cost.steps_per_second(len(num_drafts))
         return verify_lengths(self.survivals(confidences, num_drafts), sps, num_base_tokens, num_base_produced)
-
-    def plan_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
-        """Per-batch-size draft schedule: drafts worth proposing when every request looks like the online average.
-        0 means this step skips the drafter altogether (no speculation tax)."""
-        if self.mode == "fixed" or num_reqs == 0:
-            return self.num_spec_tokens
-        if self.padded:
-            return self.num_spec_tokens if self.speculation_pays(num_reqs) else 0
-        a = survival(self.estimator.rates(self.num_spec_tokens))
-        sps = self.cost.steps_per_second(num_reqs)  # includes the drafter's time
-        ls = verify_lengths([a] * num_reqs, sps, num_base_tokens, num_reqs)
-        if max(ls) == 0:
-            return 0
-        tau = num_reqs + sum(sum(a[:n]) for n in ls)
-        theta_draft = tau * sps(num_base_tokens + sum(ls))
-        theta_plain = num_reqs / max(self.cost.target_seconds(num_reqs, num_base_tokens), 1e-9)  # no drafter call
-        return max(ls) if theta_draft > theta_plain else 0
 
     def observe(self, num_verified: int, num_accepted: int) -> None:
         self.estimator.observe(num_verified, num_accepted)

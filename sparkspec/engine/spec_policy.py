@@ -4,6 +4,11 @@ acceptance bookkeeping. The device work (verify, accept, propose) happens in `mo
 Per request, the drafts proposed at the end of step n (and their confidences) arrive on the host with step n's
 results; step n+1 verifies a prefix of them: the verification budget (`budget.py`, DSpark Algorithm 1) picks its
 length from the confidences and the measured step costs. A request with no drafts is a plain decode row.
+
+Whether the next step drafts at all is the budget's regime decision, from the wall time the engine actually spends
+per step: `choose` opens each step on the budget's clock (the interval since the previous `choose` is everything
+the engine and its caller did for that step, host included), and `num_drafts_to_propose` tells it what the step
+verifies and proposes (`budget.py` explains the model and its probes).
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from sparkspec.engine.sequence import Sequence
 from sparkspec.spec_decode.build import build_proposer
 
 log = logging.getLogger("sparkspec.engine")
-PROBE_EVERY = 16  # when the budget plans no drafts, still draft once every this many steps to keep estimates fresh
 
 
 class SpecPolicy:
@@ -34,7 +38,7 @@ class SpecPolicy:
         self.proposer = proposer or build_proposer(config.speculative, model, drafter_tensors, config.num_spec_tokens)
         self.num_spec_tokens = self.proposer.num_spec_tokens
         self.budget: VerificationBudget | None = None
-        self._skipped = 0
+        self._num_verified = 0  # drafts `choose` picked for the step in progress (told to the budget)
         self.draft_probs: torch.Tensor | None = None  # [S, k, V] q of drafts (the runner's `q_store`), row per seq
 
     def start(self, runner) -> None:
@@ -46,6 +50,7 @@ class SpecPolicy:
     # ---- before the step ----
     def choose(self, items: list[ScheduledSeq]) -> tuple[list[list[int]], list[int]]:
         """Drafts each item verifies (a prefix of what its request holds) and their rows in `draft_probs`."""
+        self.budget.step_boundary()
         drafts: list[list[int]] = [[] for _ in items]
         decode = [i for i, it in enumerate(items) if it.num_lookahead > 0 and it.seq.spec.draft_ids]
         if decode:
@@ -57,6 +62,7 @@ class SpecPolicy:
             lengths = self.budget.lengths([len(d) for d in avail], confs, base_tokens, num_sampling)
             for i, d, n in zip(decode, avail, lengths):
                 drafts[i] = d[:n]
+        self._num_verified = sum(len(d) for d in drafts)
         rows = [it.seq.spec.draft_row for it in items]
         return drafts, rows
 
@@ -67,16 +73,10 @@ class SpecPolicy:
     def num_drafts_to_propose(self, items: list[ScheduledSeq], stats=None) -> int:
         """k for the next step: drafts to propose at the end of this step (0: the drafter is not called)."""
         num_sampling = sum(1 for it in items if it.samples)
-        if not num_sampling:
-            return 0
-        k = self.budget.plan_num_drafts(num_sampling, num_sampling)
-        if k == 0:
-            self._skipped += 1
-            if self._skipped % PROBE_EVERY:
-                if stats is not None:
-                    stats.num_drafter_skipped_steps += 1
-                return 0
-            k = self.num_spec_tokens if self.budget.padded else 1  # padded steps verify k or none
+        k = self.budget.next_num_drafts(num_sampling, num_sampling) if num_sampling else 0
+        self.budget.note_step(num_sampling, self._num_verified, k)
+        if num_sampling and k == 0 and stats is not None:
+            stats.num_drafter_skipped_steps += 1
         return k
 
     # ---- after the step ----

@@ -1,0 +1,150 @@
+"""The adaptive budget's regime decision (draft or plain) from whole-step wall times: synthetic cost tables and
+step-time observations, a fake clock, no engine."""
+
+import pytest
+
+from sparkspec.engine.budget import CostTable, StepTimes, VerificationBudget, bucket_of, survival
+
+K = 4
+
+
+def flat_table(seconds: float = 0.001, draft: float = 0.0001) -> CostTable:
+    """A device that costs the same for 1 or 1 + k rows per request: the table alone always says draft."""
+    return CostTable({r: [(r, seconds), (r * (1 + K), seconds)] for r in (1, 4, 16, 64, 256)},
+                     [(r, draft) for r in (1, 4, 16, 64, 256)])
+
+
+def accepting(budget: VerificationBudget, num_accepted: int, times: int = 300) -> None:
+    for _ in range(times):
+        budget.observe(K, num_accepted)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_engine(budget: VerificationBudget, clock: FakeClock, num_reqs: int, step_seconds, num_steps: int
+               ) -> list[int]:
+    """Drive the budget as `SpecPolicy` does: each step opens on the clock, verifies what the previous decision
+    proposed, decides k; `step_seconds(verified, proposed)` is the step's wall time. -> k per step."""
+    ks, proposed = [], 0
+    for _ in range(num_steps):
+        budget.step_boundary()
+        verified = sum(budget.lengths([proposed] * num_reqs, [None] * num_reqs, num_reqs, num_reqs)) if proposed \
+            else 0
+        k = budget.next_num_drafts(num_reqs, num_reqs)
+        budget.note_step(num_reqs, verified, k)
+        clock.now += step_seconds(verified > 0, k > 0)
+        ks.append(k)
+        proposed = k
+    return ks
+
+
+def test_bucket_and_median_of_step_times():
+    assert [bucket_of(r) for r in (1, 2, 3, 11, 12, 15, 16, 23)] == [0, 1, 2, 3, 4, 4, 4, 5]
+    st = StepTimes(window=4)
+    for s in (0.002, 0.002, 5.0, 0.003, 0.0, 100.0):  # a compile pause is outvoted; 0 and idle gaps are dropped
+        st.observe(16, "plain", s)
+    assert st.count(15, "plain") == 4 and st.seconds(16, "plain") == pytest.approx(0.0025)
+    assert st.seconds(16, "spec") is None and st.count(64, "plain") == 0
+
+
+def test_measured_host_time_turns_drafting_off():
+    """The table (device only) says drafting pays; the engine's wall time says a drafting step costs 3x a plain
+    one while producing ~2.4x the tokens: once both arms are measured the budget decodes plain."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    accepting(budget, 2)  # positions 0-1 accepted, 2 rejected: tau ~ 1 + 1 + 1 - a little
+    assert budget.plan_num_drafts(16, 16) == K  # the cost table alone
+    ks = run_engine(budget, clock, 16, lambda v, p: 0.009 if (v or p) else 0.003, 200)
+    assert budget.measured(16)
+    theta = budget.modelled_throughput(16)
+    assert theta["plain"] > theta["spec"] and budget.plan_num_drafts(16, 16) == 0
+    tail = ks[100:]
+    assert sum(k > 0 for k in tail) / len(tail) < 0.15, "only probes draft"
+    assert 0 < sum(k > 0 for k in tail)  # and the probes do run, keeping the estimate fresh
+
+
+def test_measured_fixed_host_time_keeps_drafting():
+    """Where a step's wall time is mostly fixed host overhead, drafting amortises it: k > 0 is kept."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    accepting(budget, 3)
+    ks = run_engine(budget, clock, 1, lambda v, p: 0.0016 if (v or p) else 0.0014, 200)
+    assert budget.measured(1) and budget.plan_num_drafts(1, 1) == K
+    tail = ks[100:]
+    assert sum(k == 0 for k in tail) / len(tail) < 0.15
+
+
+def test_regime_follows_the_better_arm_per_concurrency():
+    """One engine sees c = 1, 16, 64, 256 in turn. Synthetic step wall times (host per request + per produced
+    token, device flat): at each c the choice after probing is the argmax of the modelled throughput, and that
+    argmax is the arm that really is faster here."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    accepting(budget, 2)
+    tau = 1 + sum(survival(budget.estimator.rates(K)))  # expected tokens per request of a drafting step
+    assert tau > 2.5
+
+    def wall(c):
+        def seconds(verified, proposed):  # 1 ms fixed; 20 us per request; spec: +300 us per request at c >= 16
+            extra = (0.0003 if c >= 16 else 0.00002) * c if (verified or proposed) else 0.0
+            return 0.001 + 0.00002 * c + extra
+        return seconds
+
+    for c in (1, 16, 64, 256):
+        run_engine(budget, clock, c, wall(c), 120)
+        theta = budget.modelled_throughput(c)
+        choice = "spec" if budget.plan_num_drafts(c, c) else "plain"
+        assert choice == max(theta, key=theta.get), (c, theta)
+        true_plain, true_spec = c / wall(c)(False, False), c * tau / wall(c)(True, True)
+        assert choice == ("spec" if true_spec > true_plain else "plain"), (c, true_spec, true_plain)
+    assert budget.plan_num_drafts(1, 1) == K and budget.plan_num_drafts(256, 256) == 0
+
+
+def test_nothing_measured_falls_back_to_the_cost_table():
+    """No wall times yet: the cost table decides, exactly as before the regime model."""
+    slow_verify = CostTable({r: [(r, 0.001), (r * (1 + K), 0.02)] for r in (1, 16)}, [(1, 0.0), (16, 0.0)])
+    budget = VerificationBudget("adaptive", K, slow_verify, padded=True)
+    accepting(budget, 3)
+    assert budget.plan_num_drafts(16, 16) == 0 and budget.lengths([K] * 16, [None] * 16, 16, 16) == [0] * 16
+    assert budget.modelled_throughput(16)["plain"] > budget.modelled_throughput(16)["spec"]
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True)
+    accepting(budget, 3)
+    assert budget.plan_num_drafts(16, 16) == K and budget.lengths([K, 2], [None, None], 2, 2) == [K, 2]
+
+
+def test_probes_measure_the_arm_not_chosen_and_proposed_drafts_are_verified():
+    """The table says plain (verify steps are slow); probes still draft, the drafts they propose are all verified
+    (padded), and with fast measured spec steps the budget switches to drafting."""
+    clock = FakeClock()
+    slow_verify = CostTable({r: [(r, 0.001), (r * (1 + K), 0.02)] for r in (1, 4)}, [(1, 0.0), (4, 0.0)])
+    budget = VerificationBudget("adaptive", K, slow_verify, padded=True, clock=clock)
+    accepting(budget, 3)
+    assert budget.plan_num_drafts(4, 4) == 0
+    ks = run_engine(budget, clock, 4, lambda v, p: 0.0011 if (v or p) else 0.001, 60)
+    assert ks[0] == K  # the first probe: spec has no samples
+    assert budget.step_times.count(4, "spec") >= 2 and budget.plan_num_drafts(4, 4) == K
+    assert sum(k > 0 for k in ks[30:]) > 25
+
+
+def test_fixed_mode_and_transitions():
+    budget = VerificationBudget("fixed", K)
+    assert budget.next_num_drafts(16, 16) == K and budget.lengths([K, 1], [None, None], 2, 2) == [K, 1]
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    budget.step_boundary()
+    budget.note_step(8, 0, K)  # a transition (proposes, verified nothing): not filed
+    clock.now += 1.0
+    budget.step_boundary()
+    budget.note_step(8, K * 8, K)
+    clock.now += 0.002
+    budget.step_boundary()
+    assert budget.step_times.count(8, "spec") == 1 and budget.step_times.count(8, "plain") == 0
+    assert budget.step_times.seconds(8, "spec") == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="probe_len"):
+        VerificationBudget("adaptive", K, flat_table(), probe_len=1)
