@@ -7,6 +7,11 @@ resident sequence (none of the shipped drafters needs it: their context lives in
 decides how many bytes one block stands for.
 
 Verbs come in pairs: `can_allocate` / `allocate` / `trim` / `free`.
+
+Every change to a sequence's list stamps it with a new `table_version` (one counter for the whole manager), so
+a copy of the list kept elsewhere (the runner's persistent block tables, `engine/input_batch.py`) is current
+exactly when it was taken at the stamp the sequence holds now: one int compare per step instead of a list
+compare.
 """
 
 from __future__ import annotations
@@ -25,6 +30,16 @@ class BlockManager:
         self.block_size = block_size
         self.blocks_per_seq = blocks_per_seq
         self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.table_versions: dict[int, int] = {}  # seq_id -> stamp of its last block-list change
+        self._clock = 0
+
+    def table_version(self, seq: Sequence) -> int:
+        """The stamp of `seq.block_ids` as it is now (-1: never allocated here)."""
+        return self.table_versions.get(seq.seq_id, -1)
+
+    def _changed(self, seq: Sequence) -> None:
+        self._clock += 1
+        self.table_versions[seq.seq_id] = self._clock
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a resident sequence with `num_tokens` cached positions is charged."""
@@ -47,15 +62,20 @@ class BlockManager:
         need = self.blocks_for(num_tokens) - len(seq.block_ids)
         if need > self.num_free_blocks:
             raise RuntimeError(f"sequence {seq.seq_id}: needs {need} blocks, {self.num_free_blocks} free")
-        for _ in range(max(need, 0)):
-            seq.block_ids.append(self.free_block_ids.popleft())
+        if need > 0:
+            for _ in range(need):
+                seq.block_ids.append(self.free_block_ids.popleft())
+            self._changed(seq)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back blocks beyond what `num_tokens` positions need (after rejected drafts)."""
         keep = self.blocks_for(num_tokens)
-        while len(seq.block_ids) > keep:
-            self.free_block_ids.append(seq.block_ids.pop())
+        if len(seq.block_ids) > keep:
+            while len(seq.block_ids) > keep:
+                self.free_block_ids.append(seq.block_ids.pop())
+            self._changed(seq)
 
     def free(self, seq: Sequence) -> None:
         self.free_block_ids.extend(reversed(seq.block_ids))
         seq.block_ids.clear()
+        self.table_versions.pop(seq.seq_id, None)  # a later allocate stamps it anew

@@ -3,7 +3,8 @@ Legend: T tokens, R requests in the batch, S requests that sample this step, K m
 
 Every scheduled sequence contributes its chunk `all_ids[num_cached : num_cached + n]` (a prefill chunk, a
 recompute chunk, or the pending token of a decode row), followed on decode rows by the drafts chosen for
-verification. The host packs everything into one `ForwardBatch` (one host->device copy), the target runs once,
+verification. The host plan (`step_plan.py`, pure host; graph decode steps from the persistent batch of
+`input_batch.py`) packs everything into one upload (one host->device copy), the target runs once,
 the rejection sampler turns the logits of every sampling row into emitted tokens on the device, a device
 drafter proposes the next drafts from the same rows, and one copy brings back accepted counts, tokens, the
 next drafts and a per-request flag, computed on the device, that the request's distribution was finite (a
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from sparkspec.engine.cuda_graphs import GraphKey
 from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
-from sparkspec.engine.step_io import Download, Upload, float_bits
+from sparkspec.engine.step_io import Download
+from sparkspec.engine.step_plan import PREFILL_LENS, StepPlanner
 from sparkspec.engine.step_result import StepResult, read_step
 from sparkspec.models.cache import KVCache, cache_dtype
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
@@ -38,14 +39,6 @@ from sparkspec.spec_decode.proposer import StepRows
 from sparkspec.spec_decode.rejection import RejectionSampler
 
 
-def prompt_rows(seq, start: int, num_tokens: int) -> range:
-    """Positions t of a chunk [start, start + num_tokens) whose row scores prompt token t + 1 and whose logprob
-    the request still lacks (`seq.prompt_logprobs` holds tokens 0..m-1: row m - 1 comes next)."""
-    if seq.params.prompt_logprobs is None or seq.prompt_logprobs is None:
-        return range(0)
-    return range(max(start, len(seq.prompt_logprobs) - 1), min(start + num_tokens, len(seq.prompt_ids) - 1))
-
-
 @dataclass
 class DecodeOutput:
     """What the device part of a sampling step leaves for the copy back (graph outputs when captured)."""
@@ -59,16 +52,7 @@ class DecodeOutput:
     sampling: SamplingTensors | None = None  # (eager steps only)
 
 
-# query lengths a one-request prefill is padded to (TTFT of short prompts: one graph instead of an eager forward)
-PREFILL_LENS = (16, 32, 64, 128, 256, 512)
 MODE_FLAGS = {"greedy": (True, False, False), "sample": (False, False, False), "filter": (False, True, True)}
-
-
-def sampling_mode(params: list) -> str:
-    """The step's sampling mode: what the sampler may skip for every request of the step."""
-    if all(sp.greedy for sp in params):
-        return "greedy"
-    return "filter" if any((sp.top_k > 0 or sp.top_p < 1) and not sp.greedy for sp in params) else "sample"
 
 
 class ModelRunner:
@@ -83,6 +67,8 @@ class ModelRunner:
         self.capture = {} if proposer is None else {"tap_layers": proposer.tap_layers,
                                                     "capture_final_streams": proposer.needs_final_streams}
         self.drafts_on_device = proposer is not None and proposer.on_device
+        self.planner = StepPlanner(model.cfg.vocab_size, proposer.num_spec_tokens if self.drafts_on_device else 0,
+                                   bool(self.capture.get("capture_final_streams")))
         # [max_num_seqs, k, V] fp32 q of the drafts the last step proposed (row = the request's place among that
         # step's sampling requests); one buffer that every step reads then rewrites, so graphs address it
         self.q_store: torch.Tensor | None = None
@@ -98,9 +84,10 @@ class ModelRunner:
 
         query_lens = (1, 1 + num_spec_tokens) if num_spec_tokens else (1,)
         prefill_lens = tuple(q for q in PREFILL_LENS if q <= max(max_num_batched_tokens, 1))
-        self.graphs = GraphRunner(self.cache, self.ratios, self.graph_step, self.dummy_upload, max_num_seqs,
+        self.graphs = GraphRunner(self.cache, self.ratios, self.graph_step, self.planner.dummy_upload, max_num_seqs,
                                   max_model_len, query_lens, eager=eager,
                                   preserve=() if self.q_store is None else (self.q_store,), prefill_lens=prefill_lens)
+        self.planner.use_graphs(self.graphs, max_num_seqs)
         drafts = (0, self.proposer.num_spec_tokens) if self.drafts_on_device else (0,)
         modes = ("greedy", "sample")
         shapes = [(R, q) for R in self.graphs.sizes for q in self.graphs.query_lens]
@@ -143,13 +130,11 @@ class ModelRunner:
 
         Structured output (`token_masks`; such steps run eagerly too): the verified rows of those requests get
         -inf outside their grammar's mask before the sampler, in a second host->device copy (the bitmasks)."""
-        p = self.pack(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts,
+        p = self.plan(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts,
                       token_masks is not None)
         down = Download()
         if p.key is not None:
-            head = self.graphs.pack(p.key, p.item_ids, [it.seq.block_ids for it in items],
-                                    [it.seq.num_cached_tokens for it in items])
-            _, res = self.graphs.run(p.key, to_device(head + p.upload.flat(), self.device))
+            _, res = self.graphs.run(p.key, to_device(p.flat, self.device))
             return read_step(p, self.fetch(down, res, len(p.sampling)), self.q_store)
         batch, out, dev = self.forward(p)
         if p.prompt_items:  # prompt tokens: the model's raw distribution
@@ -191,110 +176,10 @@ class ModelRunner:
                 out[s, : token_masks[i].shape[0]] = token_masks[i]
         return out
 
-    def graph_key(self, p: PackedStep, structured: bool = False) -> GraphKey | None:
-        """The captured step a pure decode / verify step without logprobs or structured output runs as, or None
-        (eager)."""
-        items = p.items
-        if self.graphs is None or structured or p.prompt_items or not all(it.samples for it in items) \
-                or any(sp.logprobs is not None for sp in p.params):
-            return None
-        if len(items) > 1 and any(it.num_tokens > 1 for it in items):  # prefills: of one request only
-            return None
-        num_drafts = self.proposer.num_spec_tokens if p.num_drafts else 0
-        return self.graphs.key_for(len(items), max(len(ids) for ids in p.item_ids), p.mode, num_drafts)
-
-    def pack(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
-             num_next_drafts: int, structured: bool = False) -> PackedStep:
-        """Host side of a step: rows, logits rows, and every int the device needs, packed by name."""
-        p = PackedStep(items, drafts)
-        logits_rows, first_lrow, rows = [], {}, 0
-        prompt_lrows, prompt_next = [], []
-        for i, (it, d) in enumerate(zip(items, drafts)):
-            seq, nc = it.seq, it.seq.num_cached_tokens
-            scored = prompt_rows(seq, nc, it.num_tokens)
-            if scored:
-                p.prompt_items.append((i, scored.start, len(scored)))
-                prompt_lrows += range(len(logits_rows), len(logits_rows) + len(scored))
-                prompt_next += seq.prompt_ids[scored.start + 1 : scored.stop + 1]
-                logits_rows += range(rows + scored.start - nc, rows + scored.stop - nc)
-            if it.samples:
-                p.sampling.append(i)
-                first_lrow[i] = len(logits_rows)
-                logits_rows += range(rows + it.num_tokens - 1, rows + it.num_tokens + len(d))
-            p.item_ids.append(seq.token_ids(nc, nc + it.num_tokens) + d)
-            rows += it.num_tokens + len(d)
-        p.logits_rows = logits_rows
-        params = p.params
-        p.K = max((len(drafts[i]) for i in p.sampling), default=0)
-        p.mode = sampling_mode(params)
-        p.num_drafts = p.keep_drafts = num_next_drafts if self.drafts_on_device and p.sampling else 0
-        p.key = self.graph_key(p, structured)
-        R = len(p.sampling)
-        first = np.cumsum([0] + [len(ids) for ids in p.item_ids]).tolist()  # first forward row of every item
-        item_rows = [len(ids) for ids in p.item_ids]
-        if p.key is not None:  # the static layout: request i owns rows i·q .. i·q + q - 1, logits for every row
-            R, q = p.key.num_reqs, p.key.q
-            p.K, p.num_drafts = p.key.draft_cols, p.key.num_drafts
-            first = [i * q for i in range(R + 1)]
-            first_lrow = {i: i * q + (items[i].num_tokens - 1 if i < len(items) else 0) for i in range(R)}
-            item_rows = [q] * len(items)
-        if self.capture.get("capture_final_streams"):  # MTP reads the token after every row (past them: 0)
-            p.next_host = [t for it, n in zip(items, item_rows) for t in self.next_tokens(it, n)]
-            if p.key is not None:
-                p.next_host += [0] * ((R - len(items)) * p.key.q)  # a graph's dummy requests
-        V = self.model.cfg.vocab_size
-        p.logprob_rows = [r for r, sp in enumerate(params) if sp.logprobs is not None]
-        p.num_top = min(max((sp.logprobs for sp in params if sp.logprobs is not None), default=0), V)
-        p.num_prompt_top = min(max((items[i].seq.params.prompt_logprobs for i, _, _ in p.prompt_items), default=0), V)
-        self.add_request_parts(p, R, first, first_lrow, draft_rows)
-        if p.key is None:  # eager extras (a graph step has none of them)
-            p.upload.add("logprob_rows", p.logprob_rows)
-            p.upload.add("prompt_rows", prompt_lrows)
-            p.upload.add("prompt_next", prompt_next)
-        return p
-
-    @staticmethod
-    def add_request_parts(p: PackedStep, R: int, first: list[int], first_lrow: dict[int, int],
-                          draft_rows: list[int]) -> None:
-        """The per-request parts of `p.upload` for its sampling requests, then requests S..R-1: a graph's dummy
-        requests, which own their rows, sample greedily and verify nothing (with no sampling requests at all,
-        the static inputs a graph is captured on). `first`: first forward row of every request (and the total);
-        `first_lrow`: logits row of each request's first verified token."""
-        items, drafts, params = p.items, p.drafts, p.params
-        S = len(p.sampling)
-        reqs = p.sampling + list(range(S, R))
-        num_drafts = [len(drafts[i]) for i in p.sampling] + [0] * (R - S)
-        pads = R - S
-        up = p.upload
-        up.add("gather", [first_lrow[i] + min(j, n) for i, n in zip(reqs, num_drafts) for j in range(p.K + 1)])
-        up.add("draft_ids", [t for i in p.sampling for t in drafts[i] + [-1] * (p.K - len(drafts[i]))]
-               + [-1] * (p.K * pads))
-        up.add("q_rows", [draft_rows[i] if drafts[i] else -1 for i in p.sampling] + [-1] * pads)
-        up.add("top_k", [sp.top_k for sp in params] + [0] * pads)
-        up.add("seeds", [items[i].seq.seed for i in p.sampling] + [0] * pads)
-        up.add("positions", [items[i].seq.num_cached_tokens + items[i].num_tokens for i in p.sampling] + [0] * pads)
-        up.add("reqs", reqs)
-        up.add("pending_rows", [first[i] + (items[i].num_tokens if i < len(items) else 1) - 1 for i in reqs])
-        up.add("temperature", float_bits([sp.device_temperature for sp in params] + [0.0] * pads))
-        up.add("top_p", float_bits([sp.top_p for sp in params] + [1.0] * pads))
-        up.add("next_ids", p.next_host)
-
-    @staticmethod
-    def next_tokens(it: ScheduledSeq, num_rows: int) -> list[int]:
-        """The token after each of an item's `num_rows` rows, where known (its chunk's), then 0."""
-        nc = it.seq.num_cached_tokens
-        after = it.seq.token_ids(nc + 1, nc + it.num_tokens + 1)
-        return after + [0] * (num_rows - len(after))
-
-    def dummy_upload(self, key: GraphKey) -> Upload:
-        """The parts of a step of `key.num_reqs` dummy requests (the static inputs a graph is captured on)."""
-        p = PackedStep([], [])
-        p.key, p.K = key, key.draft_cols
-        R, q = key.num_reqs, key.q
-        if self.capture.get("capture_final_streams"):
-            p.next_host = [0] * (R * q)
-        self.add_request_parts(p, R, [i * q for i in range(R + 1)], {i: i * q for i in range(R)}, [])
-        return p.upload
+    def plan(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int], num_next_drafts: int,
+             structured: bool = False) -> PackedStep:
+        """The host side of a step (`StepPlanner.plan`)."""
+        return self.planner.plan(items, drafts, draft_rows, num_next_drafts, structured)
 
     def forward(self, p: PackedStep):
         """The one host->device copy and the target forward, eagerly -> (batch, output, the uploaded parts)."""

@@ -1,9 +1,11 @@
-"""The host side of one step: what `ModelRunner.pack` builds before the forward (rows, logits rows, every int the
+"""The host side of one step: what `StepPlanner.plan` builds before the forward (rows, logits rows, every int the
 device needs) and `read_step` reads the copy back with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from sparkspec.engine.cuda_graphs import GraphKey
 from sparkspec.engine.scheduler import ScheduledSeq
@@ -12,7 +14,7 @@ from sparkspec.engine.step_io import Upload
 
 @dataclass
 class PackedStep:
-    """The host side of one step, as `ModelRunner.pack` builds it: which items sample, their rows, and every int
+    """The host side of one step, as `StepPlanner.plan` builds it: which items sample, their rows, and every int
     the device needs (`upload`); `read_step` reads the copy back with it."""
 
     items: list[ScheduledSeq]
@@ -30,7 +32,8 @@ class PackedStep:
     logprob_rows: list[int] = field(default_factory=list)  # sampling rows whose requests want logprobs
     num_top: int = 0
     num_prompt_top: int = 0
-    upload: Upload = field(default_factory=Upload)
+    upload: Upload = field(default_factory=Upload)  # eager steps: the parts after the batch (named)
+    flat: np.ndarray | list[int] | None = None  # graph steps: the whole upload, batch head then the parts
 
     @property
     def params(self) -> list:

@@ -52,6 +52,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens of seq.all_ids computed this step, from seq.num_cached_tokens
     num_lookahead: int = 0  # draft slots reserved behind the pending token (decode rows only)
+    table_version: int = -1  # `BlockManager.table_version` of seq.block_ids when scheduled (-1: unknown)
 
     @property
     def samples(self) -> bool:
@@ -129,11 +130,19 @@ class Scheduler:
         out = SchedulerOutput()
         budget = c.max_num_batched_tokens
         i = 0
+        bs, extra, versions = bm.block_size, bm.blocks_per_seq, bm.table_versions
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            is_decode = n == seq.num_uncomputed_tokens == 1 and seq.output_ids  # pending token = last output
-            lookahead = self.lookahead_for(seq, budget - n) if is_decode else 0
+            nc = seq.num_cached_tokens
+            left = len(seq.prompt_ids) + len(seq.output_ids) - nc  # uncomputed tokens
+            n = min(left, budget)
+            is_decode = n == left == 1 and seq.output_ids  # pending token = last output
+            lookahead = self.lookahead_for(seq, budget - n) if is_decode and c.num_lookahead_tokens else 0
+            if -(-(nc + n + lookahead) // bs) + extra <= len(seq.block_ids):  # its blocks suffice (most steps)
+                out.scheduled.append(ScheduledSeq(seq, n, lookahead, versions.get(seq.seq_id, -1)))
+                budget -= n + lookahead
+                i += 1
+                continue
             while not bm.can_allocate(seq, seq.num_cached_tokens + n + lookahead):
                 victim = self.running.pop()  # the youngest; never one already scheduled (those are running[:i])
                 self.preempt(victim)
@@ -142,7 +151,7 @@ class Scheduler:
                     break
             else:
                 bm.allocate(seq, seq.num_cached_tokens + n + lookahead)
-                out.scheduled.append(ScheduledSeq(seq, n, lookahead))
+                out.scheduled.append(ScheduledSeq(seq, n, lookahead, bm.table_version(seq)))
                 budget -= n + lookahead
                 i += 1
                 continue
@@ -158,7 +167,7 @@ class Scheduler:
             bm.allocate(seq, seq.num_cached_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, 0))
+            out.scheduled.append(ScheduledSeq(seq, n, 0, bm.table_version(seq)))
             budget -= n
         return out
 
@@ -179,12 +188,16 @@ class Scheduler:
     def release_after_step(self) -> list[Sequence]:
         """After a step: free the blocks of finished sequences and those held for rejected drafts -> the finished
         sequences (no longer running)."""
-        finished = [s for s in self.running if s.is_finished]
-        for seq in finished:
-            self.running.remove(seq)
-            self.release(seq)
-        for seq in self.running:
-            self.block_manager.trim(seq, seq.num_tokens)
+        finished, bm = [], self.block_manager
+        if any(s.is_finished for s in self.running):
+            finished = [s for s in self.running if s.is_finished]
+            self.running[:] = [s for s in self.running if not s.is_finished]  # one pass, order kept
+            for seq in finished:
+                self.release(seq)
+        bs, extra = bm.block_size, bm.blocks_per_seq
+        for seq in self.running:  # blocks_for inlined: this runs for every running sequence every step
+            if len(seq.block_ids) > -(-seq.num_tokens // bs) + extra:
+                bm.trim(seq, seq.num_tokens)
         return finished
 
     # ---- stats ----
