@@ -3,7 +3,7 @@
 Routed experts are stacked once per layer (`expert_weights`): bf16 / fp32 tensors, or, for experts kept in FP4
 (`loading.quantized.Fp4Linear`), `Quantized` stacks of packed e2m1 bytes [E, out, in/2] and e8m0 scales
 [E, out, in/32]. `moe_experts` takes either: the native dequantises the FP4 stacks and runs the bf16 path
-(the oracle), the accelerated version dequantises tiles inside its Triton grouped GEMM.
+(the oracle), the accelerated version decodes them in registers (`triton_kernels.moe_fp4`).
 """
 
 from __future__ import annotations
@@ -202,8 +202,9 @@ def moe_experts_accelerated(
     limit: float,
 ) -> torch.Tensor:
     """The Triton grouped GEMM for decode sizes (T·A <= 256), where `torch._grouped_mm` is not usable, and for
-    FP4 stacks at any size (dequantised tile by tile); the native (`torch._grouped_mm`) for larger plain
-    batches, for CPU tensors, when autograd needs it, or without triton."""
+    FP4 stacks at any size (`triton_kernels.moe_fp4`: the packed bytes streamed and decoded in registers); the
+    native (`torch._grouped_mm`) for larger plain batches, for CPU tensors, when autograd needs it, or without
+    triton."""
     fp4 = isinstance(w13, Quantized)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
         w.requires_grad for w in (w13, w2) if not isinstance(w, Quantized)))
@@ -212,8 +213,11 @@ def moe_experts_accelerated(
         return moe_experts(x, w13, w2, weights, ids, limit)
     try:
         from sparkspec.ops.triton_kernels.moe import moe_experts_triton
+        from sparkspec.ops.triton_kernels.moe_fp4 import moe_experts_fp4
     except ImportError:
         return moe_experts(x, w13, w2, weights, ids, limit)
+    if fp4:  # its own kernels, configured by T·A (FMA rows for decode, tensor-core tiles for large batches)
+        return moe_experts_fp4(x, w13, w2, weights, ids, limit)
     return moe_experts_triton(x, w13, w2, weights, ids, limit)
 
 

@@ -1,0 +1,295 @@
+"""FP4 (e2m1 + e8m0) routed experts: two launches that stream the packed checkpoint bytes as they ship.
+
+Legend: T tokens, H hidden, E experts, A active experts, I expert width, P = T·A (token, slot) pairs,
+G scale groups of a K tile (32 values = 16 bytes each).
+Weights: w13 [E, 2I, H/2] / w2 [E, H, I/2] uint8, two e2m1 codes a byte (low nibble = even column), one e8m0
+byte per 32 values (s13 [E, 2I, H/32], s2 [E, H, I/32]).
+
+Same plan as `triton_kernels.moe` (pairs sorted by expert, programs over (row block of one expert, N block),
+up -> act [P, I], down -> out [P, H] in pair order, Σ over slots in torch), with a cheaper inner loop:
+* no interleave: a byte holds columns 2j and 2j+1, so the x tile is loaded as its even and odd columns and
+  each nibble meets its own half;
+* e2m1 -> fp32 in four integer ops and one convert: the 3 magnitude bits go to bits 9..11 of an fp16 and the
+  sign to bit 15, which reads as value · 2^-14 (e = 0 lands on the fp16 subnormal m · 2^-15, exactly 0.5·m ·
+  2^-14), and the fp16 -> fp32 convert is exact;
+* the scale (after the 2^14) is applied once per 32-value group: to the group's partial sum on the FMA path,
+  to the decoded tile on the `tl.dot` path. Both are multiplications by powers of two, so against
+  dequantise-then-matmul only the summation order differs (barring fp32 over/underflow of partial sums).
+Two inner products by BLOCK_M (constexpr):
+* BLOCK_M < 16 (decode, T·A small): FMA on CUDA cores over a static loop of rows: at T = 1 the work is
+  bandwidth, and tensor-core tiles of 16 rows would waste 15/16 of the dequantisation;
+* BLOCK_M >= 16: `tl.dot` on the dequantised tile (bf16 operands for bf16 x on a GPU: e2m1 · 2^k is exact in
+  bf16 away from its subnormals), the activations stored in x.dtype (as the native rounds them).
+No host sync; the launch count and torch ops depend on the shapes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sparkspec.ops.formats import Quantized
+from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter, same_device
+from sparkspec.ops.triton_kernels.moe import _row_block
+
+GROUP_BYTES = tl.constexpr(16)  # one e8m0 scale per 32 values = 16 packed bytes
+
+
+@triton.jit
+def e2m1_pair(b):
+    """Packed bytes (int32, 0..255) -> (low, high nibble) values · 2^-14 in fp32, exactly (see module doc)."""
+    lo = ((b & 7) << 9) | ((b & 8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def group_scale(s):
+    """e8m0 bytes (int32) -> 2^(s - 127) fp32 from its bits (byte 0, 2^-127, reads as 0)."""
+    return (s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_tile(
+    w_ptr,  # [R, K/2] uint8
+    s_ptr,  # [R, K/32] uint8
+    rows,  # [BLOCK_N] int64 rows of the stack
+    row_ok,  # [BLOCK_N] bool
+    kb0,  # first byte of the tile (a multiple of 16)
+    K: tl.constexpr,
+    G: tl.constexpr,  # groups in the tile
+):
+    """-> (lo, hi [BLOCK_N, G, 16] fp32 values · 2^-14, scale [BLOCK_N, G] fp32)."""
+    gs = kb0 // GROUP_BYTES + tl.arange(0, G)  # [G] scale groups
+    js = tl.arange(0, GROUP_BYTES)  # [16] bytes of a group
+    g_ok = gs < K // 32
+    ok = row_ok[:, None, None] & g_ok[None, :, None]
+    b = tl.load(w_ptr + rows[:, None, None] * (K // 2) + gs[None, :, None] * GROUP_BYTES + js[None, None, :],
+                mask=ok, other=0).to(tl.int32)
+    s = tl.load(s_ptr + rows[:, None] * (K // 32) + gs[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+    lo, hi = e2m1_pair(b)
+    return lo, hi, group_scale(s.to(tl.int32))
+
+
+@triton.jit
+def _x_halves(
+    x_ptr,  # [.., K] rows
+    row_off,  # [BLOCK_M] int64 element offset of each row
+    row_ok,  # [BLOCK_M] bool
+    kb0,
+    K: tl.constexpr,
+    G: tl.constexpr,
+):
+    """Even and odd columns of the rows' K tile -> 2 x [BLOCK_M, G, 16] fp32 (column 2·byte and 2·byte + 1)."""
+    byte = kb0 + tl.arange(0, G)[:, None] * GROUP_BYTES + tl.arange(0, GROUP_BYTES)[None, :]  # [G, 16]
+    ok = row_ok[:, None, None] & (byte[None] < K // 2)
+    p = x_ptr + row_off[:, None, None] + 2 * byte[None]
+    return (tl.load(p, mask=ok, other=0.0).to(tl.float32), tl.load(p + 1, mask=ok, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _fp4_gemm(
+    acc,  # [BLOCK_M, BLOCK_N] fp32
+    x_ptr,  # rows of the left operand
+    row_off,  # [BLOCK_M] int64
+    m_ok,  # [BLOCK_M] bool
+    w_ptr,
+    s_ptr,
+    w_rows,  # [BLOCK_N] int64
+    n_ok,  # [BLOCK_N] bool
+    K: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HALF_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """acc + x[rows] · W[w_rows]ᵀ over all K, W dequantised tile by tile (FMA path or `tl.dot`, by BLOCK_M)."""
+    ms = tl.arange(0, BLOCK_M)
+    for kb0 in range(0, K // 2, G * 16):
+        lo, hi, sc = _fp4_tile(w_ptr, s_ptr, w_rows, n_ok, kb0, K, G)
+        xe, xo = _x_halves(x_ptr, row_off, m_ok, kb0, K, G)  # [BLOCK_M, G, 16]
+        if BLOCK_M >= 16:
+            sc = sc[:, :, None]  # the 2^14 first: 2^(s - 127 + 14) may overflow where the product does not
+            wl = tl.reshape(lo * 16384.0 * sc, (BLOCK_N, G * 16))
+            wh = tl.reshape(hi * 16384.0 * sc, (BLOCK_N, G * 16))
+            xe2 = tl.reshape(xe, (BLOCK_M, G * 16))
+            xo2 = tl.reshape(xo, (BLOCK_M, G * 16))
+            if HALF_DOT:
+                wl, wh = wl.to(tl.bfloat16), wh.to(tl.bfloat16)
+                xe2, xo2 = xe2.to(tl.bfloat16), xo2.to(tl.bfloat16)
+            if IEEE:
+                acc = tl.dot(xe2, tl.trans(wl), acc, input_precision="ieee")
+                acc = tl.dot(xo2, tl.trans(wh), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xe2, tl.trans(wl), acc)
+                acc = tl.dot(xo2, tl.trans(wh), acc)
+        else:
+            for m in tl.static_range(BLOCK_M):
+                sel = (ms == m)[:, None, None]
+                xem = tl.sum(tl.where(sel, xe, 0.0), axis=0)  # [G, 16] row m (a register select, no load)
+                xom = tl.sum(tl.where(sel, xo, 0.0), axis=0)
+                part = tl.sum(lo * xem[None] + hi * xom[None], axis=2) * 16384.0 * sc  # [BLOCK_N, G] scaled once
+                acc += tl.where((ms == m)[:, None], tl.sum(part, axis=1)[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _fp4_up_kernel(
+    x_ptr,  # [T, H] (row stride stride_xt)
+    order_ptr,  # [P] int64 pair of each sorted row
+    ends_ptr,  # [E] int32 end row of each expert's group
+    w13_ptr,  # [E, 2I, H/2] uint8
+    s13_ptr,  # [E, 2I, H/32] uint8
+    act_ptr,  # [P, I] (act dtype) sorted rows
+    num_slots,  # A
+    num_experts,
+    limit,
+    stride_xt,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    HALF_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
+    E_P: tl.constexpr,
+):
+    e, rows, row_ok = _row_block(ends_ptr, num_experts, BLOCK_M, E_P)
+    if e < num_experts:
+        tok = tl.load(order_ptr + rows, mask=row_ok, other=0) // num_slots  # [BLOCK_M] int64
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of I
+        col_ok = cols < INTER
+        gate_rows = e.to(tl.int64) * 2 * INTER + cols  # rows of the [E·2I, H/2] stack; up rows: + I
+        zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        x_off = tok * stride_xt
+        gate = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows, col_ok,
+                         HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE)
+        up = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows + INTER, col_ok,
+                       HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _fp4_down_kernel(
+    act_ptr,  # [P, I] sorted rows
+    order_ptr,  # [P] int64
+    ends_ptr,  # [E] int32
+    w2_ptr,  # [E, H, I/2] uint8
+    s2_ptr,  # [E, H, I/32] uint8
+    weight_ptr,  # [P] fp32 routing weight of each pair
+    out_ptr,  # [P, H] fp32, pair order
+    num_experts,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    HALF_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
+    E_P: tl.constexpr,
+):
+    e, rows, row_ok = _row_block(ends_ptr, num_experts, BLOCK_M, E_P)
+    if e < num_experts:
+        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M] int64
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of H
+        col_ok = cols < HIDDEN
+        w_rows = e.to(tl.int64) * HIDDEN + cols  # rows of the [E·H, I/2] stack
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = _fp4_gemm(acc, act_ptr, rows.to(tl.int64) * INTER, row_ok, w2_ptr, s2_ptr, w_rows, col_ok,
+                        INTER, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE)
+        wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)  # [BLOCK_M]
+        tl.store(out_ptr + pair[:, None] * HIDDEN + cols[None, :], acc * wt[:, None],
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class Fp4Config:
+    block_m: int = 1  # rows of one expert per program: < 16 FMA path, >= 16 (a power of two) tl.dot path
+    block_n: int = 32  # output columns per program
+    groups: int = 4  # 32-value scale groups per K step (16 bytes each)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "groups"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"Fp4Config.{name} must be a power of two, got {v}")
+
+
+def fp4_config(num_pairs: int, interpreter: bool) -> Fp4Config:
+    """Untuned first choices (see .dev/gpu_C.sh for the sweep): one row per program while pairs rarely share
+    an expert (decode), tensor-core tiles once experts hold tens of rows."""
+    if interpreter:
+        return Fp4Config(block_m=1 if num_pairs <= 8 else 16, block_n=16, groups=1, num_stages=1)
+    if num_pairs <= 128:
+        return Fp4Config(block_m=1, block_n=32, groups=4)
+    if num_pairs <= 1024:
+        return Fp4Config(block_m=4, block_n=32, groups=4)
+    return Fp4Config(block_m=64, block_n=64, groups=4, num_warps=4, num_stages=3)
+
+
+def moe_experts_fp4(
+    x: torch.Tensor,  # [T, H]
+    w13: Quantized,  # [E, 2I, H/2] uint8 codes, [E, 2I, H/32] uint8 scales; rows 0..I-1 gate, I..2I-1 up
+    w2: Quantized,  # [E, H, I/2] uint8, [E, H, I/32] uint8
+    weights: torch.Tensor,  # [T, A] fp32
+    ids: torch.Tensor,  # [T, A] int expert ids
+    limit: float,
+    config: Fp4Config | None = None,
+) -> torch.Tensor:
+    """FP4 twin of `ops.moe.moe_experts` -> [T, H] (x.dtype). No host sync; launches fixed by the shapes."""
+    from sparkspec.ops.moe import sort_by_expert
+
+    check(isinstance(w13, Quantized) and isinstance(w2, Quantized) and w13.is_fp4 and w2.is_fp4,
+          "moe_experts_fp4: w13 and w2 must be FP4 Quantized stacks (uint8 codes)")
+    check(w13.scale.dtype == w2.scale.dtype == torch.uint8, "moe_experts_fp4: scales must be uint8 e8m0 bytes")
+    check(x.dim() == 2 and len(w13.shape) == 3 and len(w2.shape) == 3 and ids.dim() == 2,
+          f"moe_experts_fp4: want x [T,H], w13 [E,2I,H], w2 [E,H,I], ids [T,A]; got {tuple(x.shape)}, "
+          f"{tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(ids.shape)}")
+    T, H = x.shape
+    E, _, I = w2.shape
+    check(tuple(w13.shape) == (E, 2 * I, H), f"moe_experts_fp4: w13 {tuple(w13.shape)} != {(E, 2 * I, H)}")
+    check(H % 32 == 0 and I % 32 == 0, f"moe_experts_fp4: H {H} and I {I} must be multiples of 32 (scale groups)")
+    for w, n in ((w13, 2 * I), (w2, H)):
+        need = (E, n, w.shape[2] // 32)
+        check(tuple(w.scale.shape) == need, f"moe_experts_fp4: scales {tuple(w.scale.shape)} != {need}")
+    check(weights.shape == ids.shape, f"moe_experts_fp4: weights {tuple(weights.shape)} != ids {tuple(ids.shape)}")
+    check(not ids.dtype.is_floating_point, f"moe_experts_fp4: ids must be integer, got {ids.dtype}")
+    check(same_device(x, w13.data, w13.scale, w2.data, w2.scale, weights, ids),
+          "moe_experts_fp4: x, weights, scales, routing weights and ids must share a device")
+    A = ids.shape[1]
+    P = T * A
+    if P == 0:
+        return x.new_zeros(T, H)
+    interp = on_interpreter(x)
+    cfg = config or fp4_config(P, interp)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    (w13d, s13), (w2d, s2) = ((w.data.contiguous(), w.scale.contiguous()) for w in (w13, w2))
+    order, ends = sort_by_expert(ids, E)  # [P] int64, [E] int32
+    bm = cfg.block_m
+    use_dot = bm >= 16
+    half_dot = use_dot and x.dtype == torch.bfloat16 and not interp  # the interpreter's bf16 dots are wrong
+    ieee = x.dtype == torch.float32
+    act_dtype = x.dtype if use_dot and x.dtype != torch.float32 else torch.float32
+    act = torch.empty(P, I, device=x.device, dtype=act_dtype)  # sorted rows
+    out = torch.empty(P, H, device=x.device, dtype=torch.float32)  # pair order; every pair is written
+    grid_m = min(P, triton.cdiv(P, bm) + E)
+    e_p = max(next_pow2(E), 2)
+    common = dict(HALF_DOT=half_dot, IEEE=ieee, BLOCK_M=bm, BLOCK_N=cfg.block_n, G=cfg.groups, E_P=e_p,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _fp4_up_kernel[(grid_m, triton.cdiv(I, cfg.block_n))](
+        x, order, ends, w13d, s13, act, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I, **common)
+    _fp4_down_kernel[(grid_m, triton.cdiv(H, cfg.block_n))](
+        act, order, ends, w2d, s2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I, **common)
+    return out.view(T, A, H).sum(dim=1).to(x.dtype)
