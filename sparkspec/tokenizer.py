@@ -124,6 +124,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        """`decode` of each sequence, in one call (the Rust tokenizer decodes them in parallel, without the GIL)."""
+        return self.tok.decode_batch([list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens)
+
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
         """Ids of the special added tokens (the ones `decode(..., skip_special_tokens=True)` drops)."""
@@ -218,6 +222,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.text = ""  # everything emitted so far
+        self.num_fed = 0  # tokens given to `feed` so far (special ones included): where a caller catches up from
         self._skip = tokenizer.special_ids
         self._window: list[int] = []  # [context tokens (already shown) | pending tokens]
         self._num_context = 0
@@ -225,6 +230,8 @@ class IncrementalDetokenizer:
 
     def feed(self, ids: Iterable[int]) -> str:
         """Add new token ids -> the newly completed text ('' while a character is still incomplete)."""
+        ids = list(ids)
+        self.num_fed += len(ids)
         new = [i for i in ids if i not in self._skip]
         if not new:
             return ""

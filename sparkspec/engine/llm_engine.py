@@ -141,6 +141,10 @@ class LLMEngine:
         self._max_stop_len: dict[str, int] = {}
         self._rng = random.Random()
         self._grammars = None  # GrammarBackend, built on the first structured request
+        # step() returns an output for every request that produced tokens (streams, the server: their text kept
+        # up to date each step) or, when off, only for finished requests (`generate`, offline benchmarks: a
+        # request's text is then decoded once, when it finishes, unless its stop strings need it earlier)
+        self.emit_unfinished = True
 
     def grammars(self):
         """The structured-output backend (xgrammar over this tokenizer and the model's vocabulary)."""
@@ -272,41 +276,81 @@ class LLMEngine:
                ) -> dict[Sequence, list[int]]:
         """Sequences advance by their chunk and accepted drafts (the caches need nothing: rows past a sequence's
         length are never read), produced tokens are appended with the stop checks, and drafts for the next step
-        are kept. -> {seq: tokens appended}."""
-        self.stats.num_steps += 1
-        self.stats.num_decode_rows += sum(1 for it in items if it.samples and it.seq.output_ids)
-        if self.spec is not None and result.draft_probs is not None:
-            self.spec.draft_probs = result.draft_probs
-            self.spec.forget_overwritten(self.scheduler.running, {items[i].seq for i in result.rows})
+        are kept. -> {seq: tokens appended}.
+
+        Most rows take the lean path (`append_tokens`: no grammar to advance): their stop point is found once per
+        row, not token by token; the step's counters are summed once. Text is extended here only where it is
+        read before the request ends (`needs_text`)."""
+        stats, spec, rows, prompt_lps = self.stats, self.spec, result.rows, result.prompt_logprobs
+        stats.num_steps += 1
+        if spec is not None and result.draft_probs is not None:
+            spec.draft_probs = result.draft_probs
+            spec.forget_overwritten(self.scheduler.running, {items[i].seq for i in rows})
         produced, host_drafting = {}, []
+        num_decode_rows = num_new = 0
+        now = time.perf_counter()  # the step's first-token time, for every request it gives a first token
         for i, it in enumerate(items):
             seq = it.seq
+            if seq.output_ids and seq.num_cached_tokens + it.num_tokens == seq.num_tokens:  # it.samples
+                num_decode_rows += 1
             seq.num_cached_tokens += it.num_tokens
-            if i in result.prompt_logprobs:
-                seq.prompt_logprobs += result.prompt_logprobs[i]
-            row = result.rows.get(i)
+            if prompt_lps and i in prompt_lps:
+                seq.prompt_logprobs += prompt_lps[i]
+            row = rows.get(i)
             if row is None:
                 continue
             if row.error is not None:  # this request alone fails; its tokens of this step are not committed
                 self.fail(seq, row.error)
                 continue
+            num_drafts = len(drafts[i])
             seq.num_cached_tokens += row.num_accepted
-            if self.spec is not None:
-                self.spec.record(seq, len(drafts[i]), row.num_accepted, self.stats)
-                self.spec.keep(seq, row.next_drafts, row.next_confidences,
-                               result.draft_row[i] if result.draft_probs is not None else -1)
-            before = len(seq.output_ids)
-            self.append(seq, row.token_ids)
-            produced[seq] = seq.output_ids[before:]
-            seq.token_sources += TokenSource.of_step(len(drafts[i]), row.num_accepted)[: len(produced[seq])]
+            if spec is not None:
+                spec.record(seq, num_drafts, row.num_accepted, stats)
+                spec.keep(seq, row.next_drafts, row.next_confidences,
+                          result.draft_row[i] if result.draft_probs is not None else -1)
+            if seq.grammar is None and seq.params.max_tokens > 0:
+                new = self.append_tokens(seq, row.token_ids, now)
+                num_new += len(new)
+                if self.needs_text(seq):
+                    self.update_text(seq)
+            else:
+                before = len(seq.output_ids)
+                self.append(seq, row.token_ids)
+                new = seq.output_ids[before:]
+            produced[seq] = new
+            if num_drafts:
+                seq.token_sources += TokenSource.of_step(num_drafts, row.num_accepted)[: len(new)]
+            elif new:
+                seq.token_sources.append(TokenSource.TARGET)
             if seq.logprobs is not None:
-                seq.logprobs += row.logprobs[: len(produced[seq])]
-            if self.spec is not None and not self.spec.proposer.on_device and not seq.is_finished \
-                    and seq.spec_cap != 0:
+                seq.logprobs += row.logprobs[: len(new)]
+            if spec is not None and not spec.proposer.on_device and not seq.is_finished and seq.spec_cap != 0:
                 host_drafting.append(seq)
+        stats.num_decode_rows += num_decode_rows
+        stats.num_generation_tokens += num_new
         if host_drafting:
-            self.spec.propose_host(host_drafting, k_next)
+            spec.propose_host(host_drafting, k_next)
         return produced
+
+    def append_tokens(self, seq: Sequence, tokens: list[int], now: float) -> list[int]:
+        """The lean `append` (a request without a grammar, max_tokens > 0): the produced tokens up to the first of
+        EOS, max_tokens and the context limit, appended at once -> those tokens. The caller counts them and
+        extends the text. Same rules as `append`: EOS on the last allowed token is "stop"."""
+        out, p = seq.output_ids, seq.params
+        room = min(p.max_tokens - len(out), self.max_model_len - seq.num_tokens)  # tokens it may still take
+        new = tokens if len(tokens) <= room else tokens[: max(room, 1)]  # a token always lands (as `append`)
+        reason = None
+        if not p.ignore_eos and not self.eos_ids.isdisjoint(new):
+            new = new[: next(j for j, t in enumerate(new) if t in self.eos_ids) + 1]
+            reason = "stop"
+        elif len(new) >= room:
+            reason = "length"
+        if new and not out:
+            seq.first_token_time = now
+        out += new
+        if reason is not None:
+            seq.finish(reason)
+        return new
 
     def fail(self, seq: Sequence, error: str) -> None:
         """Finish `seq` with finish_reason "error" and `error` as its output's reason (its blocks are freed with
@@ -316,32 +360,37 @@ class LLMEngine:
         self.stats.num_failed += 1
 
     def emit(self, items: list[ScheduledSeq], produced: dict[Sequence, list[int]]) -> list[RequestOutput]:
-        """The outputs of the step's requests that produced tokens or finished; finished ones are forgotten."""
+        """The outputs of the step's requests that produced tokens or finished (only the finished ones when
+        `emit_unfinished` is off); finished ones are forgotten. Finished requests get their whole text first,
+        decoded in one batch where no text was kept along the way."""
+        finished = [it.seq for it in items if it.seq.is_finished]
+        if finished:
+            self.finish_texts(finished)
         outputs = []
         for it in items:
             seq = it.seq
-            if seq in produced or seq.is_finished:
+            if seq.is_finished:
                 outputs.append(self.output(seq, produced.get(seq, [])))
-                if seq.is_finished:
-                    self.requests.pop(seq.request_id, None)
-                    self._max_stop_len.pop(seq.request_id, None)
+                self.requests.pop(seq.request_id, None)
+                self._max_stop_len.pop(seq.request_id, None)
+            elif self.emit_unfinished and seq in produced:
+                outputs.append(self.output(seq, produced[seq]))
         return outputs
 
     def append(self, seq: Sequence, tokens: list[int]) -> None:
-        """Append produced tokens, stopping at EOS, max_tokens, the context limit or a stop string."""
+        """Append produced tokens, stopping at EOS, max_tokens, the context limit or a stop string (the general
+        path, token by token: grammars advance per token; `append_tokens` is the lean one)."""
         p = seq.params
         if p.max_tokens == 0:  # the prompt was only scored
             seq.finish("length")
             tokens = []
         if tokens and seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        new = []
         for tok in tokens:
             if seq.grammar is not None and not seq.grammar.accept(tok):  # the masks make this unreachable
                 self.fail(seq, f"token {tok} is refused by the response_format grammar")
                 break
             seq.output_ids.append(tok)
-            new.append(tok)
             self.stats.num_generation_tokens += 1
             if seq.grammar is not None and seq.grammar.is_terminated:  # complete, and the model stopped
                 seq.finish("stop")
@@ -351,13 +400,24 @@ class LLMEngine:
                 seq.finish("length")
             if seq.is_finished:
                 break
-        self.update_text(seq, new)
+        self.update_text(seq)
 
-    def update_text(self, seq: Sequence, new: list[int]) -> None:
-        """Extend the text incrementally (O(new tokens)); a stop string cuts it and finishes the request."""
-        if seq.detokenizer is None:
+    def needs_text(self, seq: Sequence) -> bool:
+        """Is `seq.text` read before the request ends? Stop strings are searched in it; a stream shows it every
+        step. Otherwise the text is decoded once, when the request finishes (`finish_texts`)."""
+        return self.emit_unfinished or self._max_stop_len.get(seq.request_id, 0) > 0
+
+    def update_text(self, seq: Sequence) -> None:
+        """Extend the text incrementally by the tokens not yet detokenized (O(new tokens)); a stop string cuts it
+        and finishes the request."""
+        detok = seq.detokenizer
+        if detok is None:
             return
-        piece = seq.detokenizer.feed(new) + (seq.detokenizer.flush() if seq.is_finished else "")
+        piece = detok.feed(seq.output_ids[detok.num_fed :]) if detok.num_fed < len(seq.output_ids) else ""
+        if seq.is_finished:
+            piece += detok.flush()
+        if not piece:
+            return
         seq.text += piece
         longest = self._max_stop_len.get(seq.request_id, 0)
         if not longest:
@@ -368,6 +428,19 @@ class LLMEngine:
             seq.text = seq.text[: min(hits)]
             if not seq.is_finished:
                 seq.finish("stop")
+
+    def finish_texts(self, seqs: list[Sequence]) -> None:
+        """The whole text of finished requests: those never detokenized (no stop strings, nobody streaming them)
+        are decoded in one `decode_batch` (the same text: the detokenizer's pieces plus its flush equal one
+        decode with special tokens skipped); the others catch up and flush their held-back tail."""
+        fresh = [seq for seq in seqs if seq.detokenizer is not None and seq.detokenizer.num_fed == 0
+                 and seq.output_ids and not self._max_stop_len.get(seq.request_id, 0)]
+        if fresh:
+            texts = self.tokenizer.decode_batch([seq.output_ids for seq in fresh], skip_special_tokens=True)
+            for seq, text in zip(fresh, texts):
+                seq.text, seq.detokenizer = text, None  # decoded: nothing is fed again
+        for seq in seqs:
+            self.update_text(seq)
 
     def visible_text(self, seq: Sequence) -> str:
         """Text safe to show while streaming: no incomplete UTF-8 tail, no possible start of a stop string."""
@@ -417,13 +490,17 @@ class LLMEngine:
         pending = [(ids, s, g) for g, (ids, sp) in enumerate(zip(encoded, params)) for s in sp.samples()][::-1]
         groups: list[list[str]] = [[] for _ in prompts]
         final = {}
-        while pending or self.has_unfinished():
-            while pending and self.scheduler.num_waiting < self.scheduler.config.max_waiting:
-                ids, sp, g = pending.pop()
-                groups[g].append(self.add_request(ids, sp).request_id)
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        emit_unfinished, self.emit_unfinished = self.emit_unfinished, False  # only final outputs are read
+        try:
+            while pending or self.has_unfinished():
+                while pending and self.scheduler.num_waiting < self.scheduler.config.max_waiting:
+                    ids, sp, g = pending.pop()
+                    groups[g].append(self.add_request(ids, sp).request_id)
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:
+            self.emit_unfinished = emit_unfinished
         return [self.group([final[r] for r in rids]) for rids in groups]
 
     @staticmethod

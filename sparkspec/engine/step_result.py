@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -51,29 +52,40 @@ def logprob_dicts(token_ids: list[int], pieces: list[list[float]], row: int, n: 
     return out
 
 
+def _host_ints(part, shape: tuple[int, ...]) -> list:
+    """One part of the copy back (a host list or a float64 numpy slice) -> nested Python int lists of `shape`,
+    converted in one numpy call instead of one int() per element."""
+    return np.asarray(part, dtype=np.float64).astype(np.int64).reshape(shape).tolist()
+
+
 def read_step(p: PackedStep, host: dict, q_store: torch.Tensor | None) -> StepResult:
     """The host copy of step `p` -> per item: accepted count, emitted tokens, next drafts, logprobs. `q_store`:
-    the runner's buffer of draft distributions, which the step rewrote when it proposed sampled drafts."""
+    the runner's buffer of draft distributions, which the step rewrote when it proposed sampled drafts.
+
+    Each part is converted as a whole ([S, K+1] tokens, [S, k] drafts): the only per-row Python work left is
+    building the rows the engine commits."""
     prompt = read_prompt_logprobs(host.get("prompt", []), p.items, p.prompt_items, p.num_prompt_top)
     if not p.sampling:
         return StepResult({}, None, {}, prompt)
-    K1, k, keep = p.K + 1, p.num_drafts, p.keep_drafts
-    L = [int(x) for x in host["accepted"][0]]
-    toks = host["tokens"][0]
-    finite = host["finite"][0]
-    nxt = host["drafts"][0] if "drafts" in host else []
-    conf = host["confidences"][0] if "confidences" in host else None
+    S, K1, k, keep = len(p.sampling), p.K + 1, p.num_drafts, p.keep_drafts
+    L = _host_ints(host["accepted"][0], (S,))  # [S]
+    toks = _host_ints(host["tokens"][0], (S, K1))  # [S][K+1]
+    finite = np.asarray(host["finite"][0], dtype=np.float64).reshape(S).tolist()  # [S] 0.0 = not finite
+    has_drafts = k > 0 and "drafts" in host
+    nxt = [d[:keep] for d in _host_ints(host["drafts"][0], (S, k))] if has_drafts else None  # [S][keep]
+    conf = None
+    if has_drafts and "confidences" in host:
+        conf = np.asarray(host["confidences"][0], dtype=np.float64).reshape(S, k)[:, :keep].tolist()  # [S][keep]
     lp_of = {r: j for j, r in enumerate(p.logprob_rows)}
     rows = {}
     for r, i in enumerate(p.sampling):
-        emitted = [int(t) for t in toks[r * K1 : r * K1 + L[r] + 1]]
+        emitted = toks[r][: L[r] + 1]
         lps = None
         if r in lp_of:
             lps = logprob_dicts(emitted, host["sampled"], lp_of[r] * K1, min(p.params[r].logprobs, p.num_top),
                                 p.num_top)
-        rows[i] = SampledRow(L[r], emitted, [int(t) for t in nxt[r * k : r * k + keep]],
-                             conf[r * k : r * k + keep] if conf else None, lps,
-                             None if finite[r] else NONFINITE_ERROR)
+        rows[i] = SampledRow(L[r], emitted, nxt[r] if nxt is not None else [], conf[r] if conf is not None else None,
+                             lps, None if finite[r] else NONFINITE_ERROR)
     next_probs = q_store if k and p.mode != "greedy" else None
     return StepResult(rows, next_probs, {i: r for r, i in enumerate(p.sampling)}, prompt)
 
