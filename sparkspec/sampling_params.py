@@ -32,20 +32,40 @@ def sample_seed(seed: int, index: int) -> int:
     return h - 2**64 if h >= 2**63 else h
 
 
+STRUCTURED_TYPES = ("json_object", "json_schema", "regex", "grammar", "choice", "structural_tag")
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Constrain the output to JSON (`json_object`: any JSON object or value xgrammar's builtin JSON grammar
-    takes) or to a JSON schema (`json_schema`, `schema` a dict or its JSON text). `strict` is OpenAI's flag,
-    recorded only: the output always follows the schema. Hashable (grammars are cached by it)."""
+    takes), to a JSON schema (`json_schema`, `schema` a dict or its JSON text), or to a grammar given as text in
+    `schema`: `regex`, `grammar` (EBNF, xgrammar's dialect), `choice` (one of a list of strings; `schema` the
+    list or its JSON text) or `structural_tag` (xgrammar's structural tag JSON: the server's forced tool calls).
+    `strict` is OpenAI's flag, recorded only: the output always follows the schema. Hashable (grammars are
+    cached by it)."""
 
-    type: Literal["json_object", "json_schema"]
+    type: Literal["json_object", "json_schema", "regex", "grammar", "choice", "structural_tag"]
     schema: Any = None
     strict: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.type not in ("json_object", "json_schema"):
-            raise ValueError(f"response_format.type = {self.type!r}: expected json_object or json_schema")
-        if self.type == "json_schema":
+        if self.type not in STRUCTURED_TYPES:
+            raise ValueError(f"response_format.type = {self.type!r}: expected one of {', '.join(STRUCTURED_TYPES)}")
+        if self.type in ("regex", "grammar"):
+            if not isinstance(self.schema, str) or not self.schema:
+                raise ValueError(f"structured_outputs.{self.type}: expected a non-empty string")
+        elif self.type in ("choice", "structural_tag"):
+            try:
+                value = json.loads(self.schema) if isinstance(self.schema, str) else self.schema
+            except ValueError:
+                value = None
+            ok = isinstance(value, dict) if self.type == "structural_tag" else (
+                isinstance(value, list) and value and all(isinstance(c, str) for c in value))
+            if not ok:
+                what = "a list of strings" if self.type == "choice" else "a structural tag object"
+                raise ValueError(f"structured_outputs.{self.type}: expected {what}")
+            object.__setattr__(self, "schema", json.dumps(value))
+        elif self.type == "json_schema":
             try:
                 schema = json.loads(self.schema) if isinstance(self.schema, str) else self.schema
             except ValueError:
