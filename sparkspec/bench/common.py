@@ -78,13 +78,19 @@ COLUMNS = [("setting", "setting", "{}"), ("concurrency", "conc", "{}"), ("tok_s_
            ("tpot_ms_p99", "TPOT p99", "{:.1f}"), ("tau", "tau", "{:.2f}")]
 
 
+# `bench offline --profile-host` (`sparkspec.bench.host_profile`): shown where every row has them
+PROFILE_COLUMNS = [("host_us_per_step", "host us/step", "{:.0f}"), ("host_us_per_req", "host us/req", "{:.1f}"),
+                   ("device_wait_frac", "dev wait", "{:.2f}"), ("device_busy_frac", "dev busy", "{:.2f}")]
+
+
 def format_table(rows: list[dict]) -> str:
-    """A markdown table (times in ms)."""
-    head = "| " + " | ".join(h for _, h, _ in COLUMNS) + " |"
-    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    """A markdown table (times in ms; host columns in us)."""
+    columns = COLUMNS + [c for c in PROFILE_COLUMNS if rows and all(c[0] in r for r in rows)]
+    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
     lines = [head, sep]
     for r in rows:
-        lines.append("| " + " | ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS) + " |")
+        lines.append("| " + " | ".join(fmt.format(r[k]) for k, _, fmt in columns) + " |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,8 @@
 """`sparkspec bench offline`: the engine in-process, a closed loop of `c` requests in flight per concurrency level,
 fixed output length (EOS ignored), one engine per speculative setting (`none`, `dspark:fixed`, `dspark:adaptive`,
-`mtp:fixed:2`, ...). Prints the table; writes JSON only where `--json` says, and with `--plot` a PNG."""
+`mtp:fixed:2`, ...). Prints the table; writes JSON only where `--json` says, and with `--plot` a PNG.
+`--profile-host` adds, per level, host us per step and per request and the device-busy fraction
+(`sparkspec.bench.host_profile` says how each is measured)."""
 
 from __future__ import annotations
 
@@ -47,8 +49,22 @@ class Setting:
 
 
 def run_level(engine, prompt_ids: list[list[int]], concurrency: int, num_requests: int, params, method: str,
-              k: int) -> dict:
-    """Closed loop: keep `concurrency` requests in the engine until `num_requests` have finished."""
+              k: int, profile_host: bool = False) -> dict:
+    """Closed loop: keep `concurrency` requests in the engine until `num_requests` have finished. With
+    `profile_host`, the engine's step pieces are timed (`HostProfiler`) for this level only."""
+    if not profile_host:
+        return closed_loop(engine, prompt_ids, concurrency, num_requests, params, method, k)
+    from sparkspec.bench.host_profile import HostProfiler
+
+    prof = HostProfiler()
+    with prof.attach(engine):
+        r = closed_loop(engine, prompt_ids, concurrency, num_requests, params, method, k)
+    r["host_profile"] = prof.summary(r["duration"])
+    return r
+
+
+def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, num_requests: int, params, method: str,
+                k: int) -> dict:
     from sparkspec.spec_decode.metrics import SpecMetrics
 
     pending = [prompt_ids[i % len(prompt_ids)] for i in range(num_requests)]
@@ -106,11 +122,16 @@ def run_offline(args) -> list[dict]:
             # untimed: c short requests compile the kernels of this batch size (Triton JIT per new shape)
             engine.generate([prompt_ids[i % len(prompt_ids)] for i in range(c)],
                             SamplingParams(max_tokens=k + 4, ignore_eos=True))
-            r = run_level(engine, prompt_ids, c, n, params, setting.method, k)
+            r = run_level(engine, prompt_ids, c, n, params, setting.method, k, args.profile_host)
             row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
             row["engine_startup_s"] = round(startup, 2)
+            extra = ""
+            if "host_profile" in r:
+                row.update(r["host_profile"])
+                extra = (f"  host {row['host_us_per_step']:.0f} us/step {row['host_us_per_req']:.1f} us/req"
+                         f"  busy {row['device_busy_frac']:.2f}")
             rows.append(row)
-            print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}",
+            print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}{extra}",
                   file=sys.stderr)
     return rows
 
@@ -134,6 +155,8 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
+    p.add_argument("--profile-host", action="store_true",
+                   help="time the engine's step pieces: host us per step / per request, device-busy fraction")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
     p.add_argument("--plot", default=None, help="PNG path for throughput vs concurrency")
     p.set_defaults(func=cmd_offline)
@@ -146,7 +169,7 @@ def cmd_offline(args) -> int:
     rows = run_offline(args)
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
-            "temperature": args.temperature}
+            "temperature": args.temperature, "profile_host": bool(args.profile_host)}
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:

@@ -1,0 +1,154 @@
+"""`bench offline --profile-host`: where an engine step's wall time goes, measured from outside the engine.
+
+`HostProfiler.attach(engine)` wraps, on that engine instance only, the pieces `LLMEngine.step` calls (the
+scheduler's `schedule` and `release_after_step`, the speculation policy's `choose` / `num_drafts_to_propose`, the
+runner's `execute`, the engine's `commit` / `emit`) and the one device->host copy (`step_io.Download.fetch`, which
+blocks until the device has finished the step). Nothing in the engine changes and nothing is wrapped without the
+flag, so the timed path costs nothing when profiling is off. Pieces an engine does not have are skipped.
+
+Definitions (per concurrency level; `steps` = `LLMEngine.step` calls that scheduled something):
+  * host us / step      (wall inside `step` - device wait) / steps: the time the host spends per step
+  * host us / req       host us / step divided by the mean number of requests scheduled per step
+  * device wait         time blocked in the copy back (the host waits for the device): a lower bound on busy
+  * device busy         CUDA: per step, the span between CUDA events recorded on the stream when `execute` starts
+                        and when it returns (after the copy), summed / level wall time; an upper bound on the
+                        device's busy time (launch gaps inside the step count as busy). CPU: the device is the host
+                        and busy = time in `execute` / wall.
+  * phases              us per step in each wrapped piece, `other` = the rest of `step`, `outside` = the caller's
+                        loop between steps (adding requests, reading outputs)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+PHASES = ("schedule", "choose", "propose_plan", "execute", "device_wait", "commit", "release", "emit")
+
+
+class HostProfiler:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.num_steps = 0
+        self.num_scheduled = 0  # sum over steps of the requests scheduled
+        self.step_seconds = 0.0
+        self.events: list = []  # (start, end) CUDA event pairs, one per execute
+        self._cuda = False
+
+    def _timed(self, phase: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            t0 = self.clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += self.clock() - t0
+
+        return wrapper
+
+    @contextmanager
+    def attach(self, engine):
+        """Wrap `engine`'s step pieces for the duration of the block; they are removed on exit."""
+        from sparkspec.engine import step_io
+
+        patched: list[tuple[object, str]] = []  # instance attributes we set, deleted on exit
+
+        def wrap(obj, name: str, make: Callable[[Callable], Callable]) -> None:
+            if obj is None or not callable(getattr(obj, name, None)) or name in vars(obj):
+                return  # absent, or already an instance attribute we should not shadow
+            setattr(obj, name, make(getattr(obj, name)))
+            patched.append((obj, name))
+
+        def step_wrapper(fn):
+            def step(*args, **kwargs):
+                t0 = self.clock()
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    dt = self.clock() - t0
+                if self._last_scheduled:  # an empty step (nothing to run) is not a step
+                    self.num_steps += 1
+                    self.num_scheduled += self._last_scheduled
+                    self.step_seconds += dt
+                self._last_scheduled = 0
+                return out
+
+            return step
+
+        def schedule_wrapper(fn):
+            timed = self._timed("schedule", fn)
+
+            def schedule(*args, **kwargs):
+                out = timed(*args, **kwargs)
+                self._last_scheduled = len(getattr(out, "scheduled", ()) or ())
+                return out
+
+            return schedule
+
+        device = getattr(getattr(engine, "runner", None), "device", None)
+        self._cuda = device is not None and device.type == "cuda"
+
+        def execute_wrapper(fn):
+            timed = self._timed("execute", fn)
+            if not self._cuda:
+                return timed
+            import torch
+
+            def execute(*args, **kwargs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    return timed(*args, **kwargs)
+                finally:
+                    end.record()
+                    self.events.append((start, end))
+
+            return execute
+
+        self._last_scheduled = 0
+        wrap(engine, "step", step_wrapper)
+        wrap(engine.scheduler, "schedule", schedule_wrapper)
+        wrap(engine.scheduler, "release_after_step", lambda f: self._timed("release", f))
+        wrap(getattr(engine, "spec", None), "choose", lambda f: self._timed("choose", f))
+        wrap(getattr(engine, "spec", None), "num_drafts_to_propose", lambda f: self._timed("propose_plan", f))
+        wrap(getattr(engine, "runner", None), "execute", execute_wrapper)
+        wrap(engine, "commit", lambda f: self._timed("commit", f))
+        wrap(engine, "emit", lambda f: self._timed("emit", f))
+        fetch = step_io.Download.fetch  # a class attribute: every step makes its own Download
+        step_io.Download.fetch = self._timed("device_wait", fetch)
+        try:
+            yield self
+        finally:
+            step_io.Download.fetch = fetch
+            for obj, name in reversed(patched):
+                delattr(obj, name)
+
+    def summary(self, wall_seconds: float) -> dict:
+        """The level's numbers (see the module docstring); `wall_seconds`: the level's wall time."""
+        n = max(self.num_steps, 1)
+        wait = self.seconds["device_wait"]
+        host = max(self.step_seconds - wait, 0.0)
+        reqs = self.num_scheduled / n
+        if self._cuda and self.events:
+            import torch
+
+            torch.cuda.synchronize()
+            busy = sum(s.elapsed_time(e) for s, e in self.events) / 1000.0
+        else:
+            busy = self.seconds["execute"]
+        wall = max(wall_seconds, 1e-9)
+        phases = {p: round(1e6 * s / n, 1) for p, s in self.seconds.items()}
+        phases["other"] = round(1e6 * max(self.step_seconds - sum(self.seconds[p] for p in PHASES
+                                                                   if p != "device_wait"), 0.0) / n, 1)
+        phases["outside"] = round(1e6 * max(wall_seconds - self.step_seconds, 0.0) / n, 1)
+        return {
+            "num_steps": self.num_steps,
+            "reqs_per_step": round(reqs, 2),
+            "host_us_per_step": round(1e6 * host / n, 1),
+            "host_us_per_req": round(1e6 * host / n / max(reqs, 1e-9), 2),
+            "device_wait_frac": round(min(wait / wall, 1.0), 4),
+            "device_busy_frac": round(min(busy / wall, 1.0), 4),
+            "device_busy_method": "cuda-events" if self._cuda and self.events else "execute-time",
+            "phase_us_per_step": phases,
+        }

@@ -1,0 +1,134 @@
+"""`bench offline --profile-host`: the wrappers' arithmetic on a fake engine with a fake clock, that they leave
+nothing behind, and the fields and their sanity on the demo checkpoint."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sparkspec.bench.host_profile import HostProfiler
+from sparkspec.engine import step_io
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeScheduler:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def schedule(self):
+        self.clock.now += 10e-6
+        return SimpleNamespace(scheduled=[1, 2, 3, 4])  # 4 requests per step
+
+    def release_after_step(self):
+        self.clock.now += 1e-6
+        return []
+
+
+class FakeRunner:
+    device = SimpleNamespace(type="cpu")
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def execute(self):
+        self.clock.now += 30e-6  # pack and launch
+        d = step_io.Download()
+        d.fetch()  # the copy back: patched to take 50 us below
+        return None
+
+
+class FakeEngine:
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.scheduler, self.runner, self.spec = clock, FakeScheduler(clock), FakeRunner(clock), None
+
+    def step(self):
+        self.scheduler.schedule()
+        self.runner.execute()
+        self.commit()
+        self.scheduler.release_after_step()
+        self.emit()
+        self.clock.now += 4e-6  # unwrapped work inside the step
+        return []
+
+    def commit(self):
+        self.clock.now += 20e-6
+
+    def emit(self):
+        self.clock.now += 5e-6
+
+
+def test_profiler_arithmetic_and_detach(monkeypatch):
+    clock = Clock()
+    engine = FakeEngine(clock)
+
+    def slow_fetch(self):
+        clock.now += 50e-6
+        return {}
+
+    monkeypatch.setattr(step_io.Download, "fetch", slow_fetch)
+    prof = HostProfiler(clock)
+    with prof.attach(engine):
+        assert "step" in vars(engine) and "execute" in vars(engine.runner)
+        t0 = clock.now
+        for _ in range(10):
+            engine.step()
+            clock.now += 100e-6  # the caller's loop between steps
+        wall = clock.now - t0
+    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
+    assert step_io.Download.fetch is slow_fetch  # the class attribute is restored
+    s = prof.summary(wall)
+    step_us = 10 + 30 + 50 + 20 + 1 + 5 + 4
+    assert s["num_steps"] == 10 and s["reqs_per_step"] == 4
+    assert s["host_us_per_step"] == pytest.approx(step_us - 50, abs=0.2)
+    assert s["host_us_per_req"] == pytest.approx((step_us - 50) / 4, abs=0.1)
+    assert s["device_wait_frac"] == pytest.approx(50 / (step_us + 100), abs=1e-3)
+    assert s["device_busy_frac"] == pytest.approx(80 / (step_us + 100), abs=1e-3)  # cpu: time in execute
+    ph = s["phase_us_per_step"]
+    assert ph["schedule"] == pytest.approx(10) and ph["commit"] == pytest.approx(20)
+    assert ph["other"] == pytest.approx(4, abs=0.2) and ph["outside"] == pytest.approx(100, abs=0.2)
+
+
+def test_profile_host_on_the_demo(tmp_path, capsys):
+    from sparkspec.cli import main
+    from sparkspec.paths import DEFAULT_MODEL
+
+    out = tmp_path / "b.json"
+    rc = main(["bench", "offline", "--model", str(DEFAULT_MODEL), "--settings", "none,dspark:adaptive",
+               "--concurrency", "1,2", "--output-len", "8", "--min-requests", "2", "--requests-per-client", "1",
+               "--max-prompt-tokens", "48", "--num-prompts", "4", "--profile-host", "--json", str(out)])
+    assert rc == 0
+    assert "host us/step" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["meta"]["profile_host"] is True
+    rows = data["results"]
+    assert len(rows) == 4
+    for r in rows:
+        assert 2 <= r["num_steps"] <= r["output_tokens"] + r["num_requests"]
+        assert 1 <= r["reqs_per_step"] <= r["concurrency"]
+        assert 0 < r["host_us_per_req"] <= r["host_us_per_step"] + 0.1 < 1e6 * r["duration_s"] / r["num_steps"]
+        assert r["host_us_per_req"] == pytest.approx(r["host_us_per_step"] / r["reqs_per_step"], rel=0.01)
+        assert 0 <= r["device_wait_frac"] <= r["device_busy_frac"] <= 1
+        ph = r["phase_us_per_step"]
+        assert all(v >= 0 for v in ph.values()) and ph["execute"] > 0 and ph["schedule"] > 0
+        if r["setting"] != "none":
+            assert ph["choose"] > 0 and ph["propose_plan"] > 0
+
+
+def test_without_the_flag_rows_have_no_profile(tmp_path):
+    from sparkspec.cli import main
+    from sparkspec.paths import DEFAULT_MODEL
+
+    out = tmp_path / "b.json"
+    rc = main(["bench", "offline", "--model", str(DEFAULT_MODEL), "--settings", "none", "--concurrency", "1",
+               "--output-len", "4", "--min-requests", "1", "--requests-per-client", "1", "--max-prompt-tokens", "48",
+               "--num-prompts", "2", "--json", str(out)])
+    assert rc == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert "host_us_per_step" not in row and "phase_us_per_step" not in row
