@@ -168,6 +168,37 @@ def bench_mhc(dev, gen) -> list[dict]:
     return rows
 
 
+MOE_EXPERTS, MOE_TOPK, MOE_INTER = 256, 6, 2048  # Flash routed experts (FP4 e2m1, e8m0 per 32 values)
+
+
+def bench_moe_fp4(dev, gen) -> list[dict]:
+    """FP4 routed experts (`moe_fp4`) against the native on the dequantised bf16 stacks (`torch._grouped_mm`);
+    rel err against that native (bf16 rounding level)."""
+    from sparkspec.ops import moe
+    from sparkspec.ops.formats import Quantized
+    from sparkspec.ops.triton_kernels.moe_fp4 import moe_experts_fp4
+
+    E, A, H, I = MOE_EXPERTS, MOE_TOPK, HIDDEN, MOE_INTER
+
+    def stack(R, K):  # random codes, scales around 2^-6 (~1/sqrt(K))
+        codes = torch.randint(0, 256, (E, R, K // 2), device=dev, generator=gen, dtype=torch.uint8)
+        return Quantized(codes, torch.randint(119, 124, (E, R, K // 32), device=dev, generator=gen).to(torch.uint8))
+
+    w13, w2 = stack(2 * I, H), stack(H, I)
+    w13b, w2b = w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)
+    rows = []
+    for T in (1, 64, 2048):
+        x = torch.randn(T, H, device=dev, generator=gen).bfloat16()
+        ids = torch.rand(T, E, device=dev, generator=gen).topk(A, dim=-1).indices
+        w = torch.rand(T, A, device=dev, generator=gen) / A
+        rows.append(_row(
+            "moe_experts fp4", f"T={T} E={E} top-{A} H={H} I={I}",
+            lambda: moe.moe_experts(x, w13b, w2b, w, ids, 10.0), lambda: moe_experts_fp4(x, w13, w2, w, ids, 10.0),
+            lambda: _rel_err(moe_experts_fp4(x, w13, w2, w, ids, 10.0), moe.moe_experts(x, w13b, w2b, w, ids, 10.0)),
+        ))
+    return rows
+
+
 def _print_table(rows: list[dict]) -> None:
     print(f"{'op':32} {'shape':46} {'native ms':>10} {'triton ms':>10} {'speedup':>8} {'rel err':>9}")
     for r in rows:
@@ -184,14 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="kernels_bench.json", help="where to write the rows")
     ap.add_argument("--sweep", action="store_true", help="also time sparse-attention tile configurations")
-    ap.add_argument("--only", default="", help="comma list among sparse_attention,indices,mhc")
+    ap.add_argument("--only", default="", help="comma list among sparse_attention,indices,mhc,moe_fp4")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels bench: no GPU here (the Triton kernels are timed on cuda/rocm devices only)", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    groups = {"sparse_attention": bench_sparse_attention, "indices": bench_indices, "mhc": bench_mhc}
+    groups = {"sparse_attention": bench_sparse_attention, "indices": bench_indices, "mhc": bench_mhc,
+              "moe_fp4": bench_moe_fp4}
     chosen = [g for g in args.only.split(",") if g] or list(groups)
     rows: list[dict] = []
     for name in chosen:
