@@ -140,8 +140,76 @@ def step_split(eng, batch: int, context_len: int, repeats: int = 5) -> dict:
             "draft_share": (full - verify) / verify}
 
 
+# Kernel groups of a decode step, from kernel names alone (CUDA graphs leave no host scopes to attribute by):
+# the first group with a key that is a substring of the lowercased name wins ("a&b": both are), so the order
+# matters (FP8 GEMMs before generic GEMMs, mHC before norms). Names cannot tell which module launched a generic
+# kernel: the shared expert's FP8 GEMMs count as "fp8_linears" (its group is the swiglu glue); int64-key sorts
+# and top-k count as "moe_routing" (sort_by_expert, moe_route); float sorts (the indexer's stable sort,
+# sampling) land in "other"; "dense_gemm" is cuBLAS in bf16 / fp32 (the lm head, the MoE gate, fp32
+# projections). `top_other` lists what the table missed.
+KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fp8_linears", ("_fp8_linear", "_sum_splits", "scaled_mm", "e4m3", "f8f8")),
+    ("mhc", ("_mix_partial", "_mhc_", "_hc_head")),
+    ("attention", ("_sparse_attention", "_indexer_", "_emit_", "_store_states", "_ragged", "_compress")),
+    ("moe_routing", ("_moe_route", "_moe_gate", "_moe_sort", "topk", "sigmoid", "softplus", "searchsorted",
+                     "bincount", "histogram", "radixsort&long, long")),
+    ("fp4_experts", ("_moe_", "grouped_mm", "grouped_gemm", "_fp4")),
+    ("shared_expert", ("silu", "swiglu")),
+    ("norms_rope", ("_norm_rope", "rms_norm", "rmsnorm", "rsqrt", "_rope")),
+    ("sampling", ("argmax", "distribution_", "exponential", "multinomial", "softmax", "_sample", "gumbel")),
+    ("dense_gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")),
+)
+GROUP_ORDER = tuple(g for g, _ in KERNEL_GROUPS) + ("other",)
+
+
+def kernel_group(name: str) -> str:
+    """The group of a kernel name (see KERNEL_GROUPS), "other" when no key matches."""
+    low = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(all(part in low for part in k.split("&")) for k in keys):
+            return group
+    return "other"
+
+
+def group_kernel_times(kernels: list[tuple[str, float]], num_steps: int, num_top: int = 8) -> dict:
+    """(kernel name, device µs) of every kernel of `num_steps` steps -> {"groups": {group: {"ms": device ms per
+    step, "kernels": launches per step, "share": of the device time}} in GROUP_ORDER (empty groups too),
+    "top_other": [(name[:80], ms per step)] of the largest unmatched kernels}."""
+    ms = dict.fromkeys(GROUP_ORDER, 0.0)
+    count = dict.fromkeys(GROUP_ORDER, 0)
+    other: dict[str, float] = {}
+    for name, us in kernels:
+        g = kernel_group(name)
+        ms[g] += us / 1000
+        count[g] += 1
+        if g == "other":
+            other[name] = other.get(name, 0.0) + us / 1000
+    total = sum(ms.values()) or 1.0
+    groups = {g: {"ms": round(ms[g] / num_steps, 4), "kernels": round(count[g] / num_steps, 2),
+                  "share": round(ms[g] / total, 3)} for g in GROUP_ORDER}
+    top = sorted(other.items(), key=lambda kv: -kv[1])[:num_top]
+    return {"groups": groups, "top_other": [(n[:80], round(t / num_steps, 4)) for n, t in top]}
+
+
+def format_groups(prof: dict) -> str:
+    """The kernel-group table of `group_kernel_times` as markdown, then the largest unmatched kernels."""
+    lines = ["| group | device ms / step | kernels / step | share |", "|---|---|---|---|"]
+    for g, v in prof["groups"].items():
+        lines.append(f"| {g} | {v['ms']:.4f} | {v['kernels']:g} | {100 * v['share']:.1f} % |")
+    total_ms = sum(v["ms"] for v in prof["groups"].values())
+    total_k = sum(v["kernels"] for v in prof["groups"].values())
+    lines.append(f"| total | {total_ms:.4f} | {total_k:g} | 100 % |")
+    lines += [f"  other: {t:.4f} ms  {n}" for n, t in prof["top_other"]]
+    return "\n".join(lines)
+
+
+def _device_us(e) -> float:
+    return getattr(e, "device_time", 0) or getattr(e, "cuda_time", 0) or 0.0
+
+
 def profile_steps(eng, device: torch.device, num_steps: int = 8) -> dict:
-    """Kernel launches, host syncs and device busy time per decode step (torch profiler)."""
+    """Kernel launches, host syncs, device busy time and device time per kernel group per decode step (torch
+    profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -156,11 +224,13 @@ def profile_steps(eng, device: torch.device, num_steps: int = 8) -> dict:
     kernels = [e for e in events if getattr(e.device_type, "name", "") in ("CUDA", "HIP", "XPU")]
     launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     syncs = sum(1 for e in events if "Synchronize" in e.name)
-    busy = sum(getattr(e, "device_time", 0) or getattr(e, "cuda_time", 0) for e in kernels) / 1e6
+    busy = sum(_device_us(e) for e in kernels) / 1e6
     out = {"kernels_per_step": len(kernels) / num_steps, "launches_per_step": launches / num_steps,
            "syncs_per_step": syncs / num_steps,
            "gpu_busy_fraction": round(busy / wall, 3) if wall else 0.0}
     print(f"profile over {num_steps} decode steps: {out}", flush=True)
+    out["kernel_groups"] = group_kernel_times([(e.name, _device_us(e)) for e in kernels], num_steps)
+    print(format_groups(out["kernel_groups"]), flush=True)
     return out
 
 
@@ -283,7 +353,7 @@ def bench_rank(pg, args) -> list[dict]:
                     "draft_share": round(extra["draft_share"], 3)}
         if args.profile:
             row |= {"kernels_per_step": prof["kernels_per_step"], "syncs_per_step": prof["syncs_per_step"],
-                    "gpu_busy": prof["gpu_busy_fraction"]}
+                    "gpu_busy": prof["gpu_busy_fraction"], "kernel_groups": prof["kernel_groups"]}
         if hf is not None:
             from sparkspec.bench.hf_compare import transformers_step_ms
 
@@ -294,11 +364,12 @@ def bench_rank(pg, args) -> list[dict]:
         if pg is not None:
             gathered = [None] * world
             dist.all_gather_object(gathered, row, group=pg.group)
-        if rank == 0:
+        if rank == 0:  # the kernel-group tables were printed by the profile; the JSON has them
+            cells = [k for k, v in row.items() if not isinstance(v, dict)]
             if not rows:
-                print("| " + " | ".join(row) + " |\n|" + "---|" * len(row), flush=True)
+                print("| " + " | ".join(cells) + " |\n|" + "---|" * len(cells), flush=True)
             for r in gathered:
-                print("| " + " | ".join(str(v) for v in r.values()) + " |", flush=True)
+                print("| " + " | ".join(str(r.get(k)) for k in cells) + " |", flush=True)
         rows += gathered
         gc.collect()  # the batch's engine (KV pools, graphs) goes before the next one is built
         if device.type == "cuda":
