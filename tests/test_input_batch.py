@@ -41,7 +41,8 @@ def random_params(rng: random.Random, profile: str) -> SamplingParams:
         return SamplingParams(max_tokens=64, temperature=0.0)
     filtered = profile != "sample" and rng.random() < 0.5
     return SamplingParams(max_tokens=64, temperature=rng.choice([0.5, 1.0, 1.3]), seed=rng.randrange(2**40),
-                          top_k=rng.choice([0, 5]) if filtered else 0, top_p=rng.choice([1.0, 0.9]) if filtered else 1.0)
+                          top_k=rng.choice([0, 5]) if filtered else 0,
+                          top_p=rng.choice([1.0, 0.9]) if filtered else 1.0)
 
 
 def new_seq(rng: random.Random, seq_id: int, profile: str) -> Sequence:
@@ -68,7 +69,7 @@ def test_numpy_pack_equals_list_pack_on_random_steps(num_slots, device_drafts, n
     pl = planner(device_drafts, needs_next_ids, num_slots)
     bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
     live, ids = [], iter(range(10**6))
-    for step in range(60):
+    for _ in range(60):
         profile = rng.choice(["greedy", "sample", "filter", "mixed"])
         for s in [s for s in live if rng.random() < 0.1 or s.num_tokens > 40]:  # leave (or max_model_len)
             live.remove(s)

@@ -21,8 +21,9 @@ on how many follow).
 
 Inputs live in one static int64 buffer per graph, laid out as the batch, then the step's named parts
 (`step_io.Upload`): a step packs its integers on the host, copies them to the device once and then into the
-buffer, and replays. Prefills of several requests, chunks that do not sample, mixed steps, and steps that
-return logprobs run eagerly.
+buffer, and replays (the decode / verify steps from the persistent batch of `input_batch.py`, numpy over slot
+arrays; one-request prefills from `pack`'s lists: both lay it out the same way). Prefills of several requests,
+chunks that do not sample, mixed steps, and steps that return logprobs run eagerly.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ class InputBatch:
         drafts), with `flat` laid out as `GraphRunner.pack` + `StepPlanner.add_request_parts` lay it; None when
         the step is not one (a prefill chunk, logprobs, no captured key): the list path packs it."""
         n = len(items)
-        if not n or any(it.num_tokens != 1 for it in items):
+        if not n or [it.num_tokens for it in items].count(1) != n:  # (a list: cheaper than a generator)
             return None
         seqs = [it.seq for it in items]
         num_cached = np.asarray([s.num_cached_tokens for s in seqs], dtype=np.int64)  # [n]
