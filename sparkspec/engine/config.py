@@ -7,6 +7,9 @@ from typing import Literal
 
 from sparkspec.spec_decode.methods import SPEC_METHODS, SpecMethod
 
+SamplingScheme = Literal["rejection", "gumbel"]
+SAMPLING_SCHEMES: tuple[str, ...] = ("rejection", "gumbel")
+
 
 @dataclass
 class EngineConfig:
@@ -25,6 +28,10 @@ class EngineConfig:
     num_spec_tokens: int | None = None  # None: the drafter's natural length (DSpark block size, MTP layers, 4)
     spec_budget: Literal["adaptive", "fixed"] = "adaptive"
     cost_cache_dir: str | None = None  # where the measured step-cost table is cached (default ~/.cache/sparkspec)
+    # how sampled requests (T > 0) draw and verify (spec_decode/rejection.py): "rejection" = inverse-CDF draws
+    # and rejection sampling (same distribution; seeded tokens depend on the drafts); "gumbel" = Gumbel-max
+    # with noise keyed by (seed, position): the same tokens as plain decoding whatever the drafter, k or budget
+    sampling_scheme: SamplingScheme = "rejection"
     # execution
     enforce_eager: bool = False  # True: no CUDA / HIP graphs (they are captured for decode / verify steps otherwise)
 
@@ -41,5 +48,7 @@ class EngineConfig:
             raise ValueError(f"num_spec_tokens = {self.num_spec_tokens!r}: expected an integer >= 1")
         if self.spec_budget not in ("adaptive", "fixed"):
             raise ValueError(f"spec_budget = {self.spec_budget!r}: expected 'adaptive' or 'fixed'")
+        if self.sampling_scheme not in SAMPLING_SCHEMES:
+            raise ValueError(f"sampling_scheme = {self.sampling_scheme!r}: expected one of {SAMPLING_SCHEMES}")
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction = {self.memory_fraction!r}: expected a number in (0, 1]")

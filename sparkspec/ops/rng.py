@@ -92,3 +92,28 @@ def uniform(
     """-> [R, n] uniforms in (0, 1); value (r, j) depends only on (seeds[r], offsets[r], stream, j)."""
     j = torch.arange(n, dtype=torch.int64, device=seeds.device)
     return uniform_at(seeds.unsqueeze(1), offsets.unsqueeze(1), stream, j, dtype)
+
+
+def gumbel(
+    seeds: torch.Tensor,  # [R] int64
+    offsets: torch.Tensor,  # [R] int64
+    stream: int,
+    n: int,
+) -> torch.Tensor:
+    """-> [R, n] fp32 standard Gumbel noise; value (r, v) depends only on (seeds[r], offsets[r], stream, v).
+
+    One Philox call gives two values: v = 2c + h uses counter j = c and words (w0, w1) for h = 0, (w2, w3) for
+    h = 1. The high word and the low word make a uniform w with a 2^-64 floor, so the Gumbel tail reaches ~44
+    (an fp32 uniform would cap it at 16.6, which the maximum over a 100k vocabulary crosses in ~1 % of rows);
+    w is kept <= 1 - 2^-24 (rounding must never give w = 1, i.e. noise -inf, which would make a token of
+    probability ~1 lose). Then E = -log1p(-w) ~ Exp(1) and G = -log E. fp32 only, so a Triton kernel can
+    compute the same values."""
+    c = torch.arange((n + 1) // 2, dtype=torch.int64, device=seeds.device)
+    s0, s1 = _words(seeds.unsqueeze(1))
+    o0, o1 = _words(offsets.unsqueeze(1))
+    w0, w1, w2, w3 = philox(o0, o1, c, stream & MASK32, s0, s1)  # each [R, ceil(n / 2)]
+    hi = torch.stack([w0, w2], -1).flatten(-2)[:, :n]  # [R, n]
+    lo = torch.stack([w1, w3], -1).flatten(-2)[:, :n]
+    w = hi.float() * 2.0**-32 + (lo.float() + 0.5) * 2.0**-64
+    w = w.clamp(max=1.0 - 2.0**-24)
+    return -torch.log(-torch.log1p(-w))

@@ -10,7 +10,11 @@ Terms:
 * **stream** — which use of randomness at that position; independent streams keep drafts, accept tests and
   recovered tokens of speculative decoding (Leviathan et al., arXiv 2211.17192) mutually independent:
   STREAM_TARGET (plain decoding and bonus tokens), STREAM_DRAFT (drafters), STREAM_ACCEPT (accept tests),
-  STREAM_RESIDUAL (recovered tokens).
+  STREAM_RESIDUAL (recovered tokens); STREAM_GUMBEL is the drafter-invariant scheme's one noise, shared on
+  purpose by the target and every drafter at a position (`spec_decode/rejection.py`).
+* **scheme** — how a sampled row draws: "rejection" (inverse-CDF draws, rejection-sampling verification) or
+  "gumbel" (Gumbel-max: token at t = argmax_v(log p_t(v) + G(seed, t, v)); verification accepts a draft iff it
+  equals that token, so the output is plain decoding's whatever the drafter). `SamplingTensors.gumbel` says which.
 * **greedy row** — temperature below `MIN_TEMPERATURE` (0 included): the argmax, one-hot distribution.
 * **finite row** — a row whose distribution is a real one: its logits have no NaN or +inf and not all are
   -inf, and (sampled rows) the processed probabilities are finite with positive mass. Whatever the row holds,
@@ -24,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparkspec.ops.registry import native
-from sparkspec.ops.rng import uniform
+from sparkspec.ops.registry import native, ops
+from sparkspec.ops.rng import gumbel, uniform
 from sparkspec.sampling_params import MIN_TEMPERATURE
 
 STREAM_TARGET = 0
@@ -33,6 +37,7 @@ STREAM_DRAFT = 1
 STREAM_ACCEPT = 2
 STREAM_RESIDUAL = 3
 STREAM_GRAMMAR = 4  # structured output: redraws of sampled drafts the grammar refuses (engine/grammar.py)
+STREAM_GUMBEL = 5  # the Gumbel-max scheme's noise G(seed, t, v): the target's AND the drafters' at position t
 
 
 @native("process_logits")
@@ -105,6 +110,10 @@ class SamplingTensors:
 
     Every row has a seed: a request's own `SamplingParams.seed`, else one the caller chose (the engine
     draws one at random when the request arrives).
+
+    `gumbel` picks the scheme of sampled rows: False (every row: rejection sampling), True (every row: the
+    Gumbel-max scheme, `EngineConfig.sampling_scheme = "gumbel"`), or a [R] bool tensor (per request; both are
+    computed and `torch.where` picks, so a captured graph serves any mix). Greedy rows are the argmax in both.
     """
 
     temperature: torch.Tensor  # [R] fp32
@@ -114,12 +123,13 @@ class SamplingTensors:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
-
+    gumbel: torch.Tensor | bool = False  # bool for all rows, or [R] bool
 
     def index_select(self, index: torch.Tensor) -> SamplingTensors:  # index [M] int64
         """Rows `index` (e.g. a per-row request index). Flags are kept: still true of any subset."""
+        g = self.gumbel[index] if isinstance(self.gumbel, torch.Tensor) else self.gumbel
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index],
-                               self.seeds[index], self.all_greedy, self.any_top_k, self.any_top_p)
+                               self.seeds[index], self.all_greedy, self.any_top_k, self.any_top_p, g)
 
     def repeat_interleave(self, n: int) -> SamplingTensors:
         """Each row n times in a row ([R] -> [R * n]), e.g. for the K + 1 verify rows of every request."""
@@ -127,12 +137,22 @@ class SamplingTensors:
         def rep(x):  # expand + reshape: no output-size computation, so no sync
             return x.unsqueeze(1).expand(-1, n).reshape(-1)
 
+        g = rep(self.gumbel) if isinstance(self.gumbel, torch.Tensor) else self.gumbel
         return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.seeds),
-                               self.all_greedy, self.any_top_k, self.any_top_p)
+                               self.all_greedy, self.any_top_k, self.any_top_p, g)
 
     @property
     def greedy(self) -> torch.Tensor:  # [R] bool
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def all_gumbel(self) -> bool:
+        """Every row uses the Gumbel-max scheme (host flag): no draft q is needed, none is computed."""
+        return self.gumbel is True
+
+    @property
+    def any_gumbel(self) -> bool:
+        return self.gumbel is not False
 
 
 def probs_for(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # logits [R, V] -> [R, V]
@@ -145,14 +165,51 @@ def logprobs_for(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # 
     over the tokens top-k / top-p keep (-inf elsewhere), i.e. the log of `probs_for` computed without its
     rounding. Greedy rows (below MIN_TEMPERATURE), whose distribution is one-hot, give the log-softmax of the raw logits
     instead, as vLLM does: the logprobs a client asks for at temperature 0 are the model's own."""
-    logits = logits.float()
     if st.all_greedy:
-        return torch.log_softmax(logits, -1)
+        return torch.log_softmax(logits.float(), -1)
+    return torch.log_softmax(scaled_logits(logits, st), -1)
+
+
+def scaled_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # [R, V] -> [R, V] fp32
+    """logits / temperature with -inf outside the tokens top-k / top-p keep: log p up to a per-row constant, p
+    the distribution `probs_for` gives (greedy rows: the raw logits)."""
+    logits = logits.float()
     greedy = st.greedy.unsqueeze(1)  # [R, 1]
     x = logits / torch.where(greedy, 1.0, st.temperature.float().unsqueeze(1))
     if st.any_top_k or st.any_top_p:
         x = x.masked_fill((probs_for(logits, st) <= 0) & ~greedy, float("-inf"))
-    return torch.log_softmax(x, -1)
+    return x
+
+
+@native("gumbel_argmax")
+def gumbel_argmax(
+    x: torch.Tensor,  # [R, V] fp32 log p up to a per-row constant (-inf: excluded token)
+    seeds: torch.Tensor,  # [R] int64
+    offsets: torch.Tensor,  # [R] int64: absolute position of the token being produced
+) -> torch.Tensor:
+    """The Gumbel-max draw -> [R] int64: argmax_v(x[r, v] + G(seeds[r], offsets[r], v)), G from STREAM_GUMBEL.
+    It is a draw from softmax(x[r]) (Gumbel 1954; the max of log p + Gumbel noise lands on v with chance p(v)),
+    and depends only on (x[r], seeds[r], offsets[r])."""
+    return (x + gumbel(seeds, offsets, STREAM_GUMBEL, x.shape[-1])).argmax(-1)
+
+
+def is_finite_scaled(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [R, V], [R, V] -> [R] bool
+    """`is_finite_dist` from the scaled logits instead of the probabilities: the raw row has no NaN / +inf and is
+    not all -inf, and logits / T neither overflows to +inf nor leaves every kept token at -inf."""
+    return torch.isfinite(logits.amax(-1)) & torch.isfinite(x.amax(-1))
+
+
+def gumbel_sample(
+    logits: torch.Tensor,  # [R, V]
+    st: SamplingTensors,  # R rows
+    offsets: torch.Tensor,  # [R] int64: absolute position of the token being produced
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gumbel-max scheme's token per row -> (ids [R] int64: the argmax on greedy rows, else `gumbel_argmax` of
+    the processed distribution; is_finite [R] bool, as `is_finite_dist`). Plain decoding, verification and the
+    drafters all call this, so a position's token is a function of (logits, seed, position) alone."""
+    x = scaled_logits(logits, st)  # [R, V]
+    ids = torch.where(st.greedy, logits.argmax(-1), ops.gumbel_argmax(x, st.seeds, offsets))
+    return ids, is_finite_scaled(logits, x)
 
 
 def gather_logprobs(
@@ -217,14 +274,24 @@ def sample_draft(
     offsets: torch.Tensor,  # [R] int64: absolute position of the draft
     stream: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft per row and the exact q it was drawn from -> (ids [R] int64, q [R, V] fp32).
+    """A draft per row and the exact q it was drawn from -> (ids [R] int64, q [R, V] fp32, or None when every row
+    uses the Gumbel-max scheme: its verification needs no q).
 
-    A row whose distribution is not finite (a numerically broken drafter) drafts deterministically instead: the
-    argmax of its non-NaN logits, with q one-hot on it. Verification stays lossless (it is for any draft whose q
-    is exact), the id is in range, and the target, not the drafter, decides the request's tokens."""
+    Rejection rows draw from q with `stream` at `offsets`; Gumbel rows draw argmax(log q + G) with the target's
+    own noise at the draft's position (`gumbel_sample`, STREAM_GUMBEL), which is what makes a good drafter's
+    draft equal the target's token there. A row whose distribution is not finite (a numerically broken drafter)
+    drafts deterministically instead: the argmax of its non-NaN logits, with q one-hot on it. Verification stays
+    lossless (it is for any draft whose q is exact, and for any draft at all under the Gumbel scheme), the id is
+    in range, and the target, not the drafter, decides the request's tokens."""
+    fallback = logits.float().masked_fill(torch.isnan(logits), float("-inf")).argmax(-1)  # [R], 0 if all NaN
+    if st.all_gumbel:
+        ids, ok = gumbel_sample(logits, st, offsets)
+        return torch.where(ok, ids, fallback), None
     q = probs_for(logits, st)
     ok = is_finite_dist(logits, q)  # [R]
-    fallback = logits.float().masked_fill(torch.isnan(logits), float("-inf")).argmax(-1)  # [R], 0 if all NaN
-    ids = torch.where(ok, sample(q, st.seeds, offsets, stream), fallback)
+    ids = sample(q, st.seeds, offsets, stream)
+    if st.any_gumbel:
+        ids = torch.where(st.gumbel, gumbel_sample(logits, st, offsets)[0], ids)
+    ids = torch.where(ok, ids, fallback)
     one_hot = torch.zeros_like(q).scatter_(1, fallback.unsqueeze(1), 1.0)
     return ids, torch.where(ok.unsqueeze(1), q, one_hot)

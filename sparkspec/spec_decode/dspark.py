@@ -8,7 +8,8 @@ every step, committed or not (see `proposer.py` for why that needs no rollback).
 `propose` runs one block of k rows `[b, noise * (k-1)]` at positions N..N+k-1 for all requests at once (N =
 committed positions, b = pending token), reading the W context rows before N and all k block rows
 (non-causal), then the Markov head left to right: q_i = processed(U_i + bias(d_{i-1})), d_i drawn from q_i
-with the request's seed at position N+1+i (greedy requests: the argmax). q is returned as the exact draft
+with the request's seed at position N+1+i (greedy requests: the argmax; Gumbel-max requests: argmax(log q_i +
+G) with the target's own noise at that position, `sampling.sample_draft`). q is returned as the exact draft
 distribution for verification; a row whose q is not finite drafts a fixed id with a one-hot q instead
 (`sampling.sample_draft`), so verification stays lossless and every draft id is in range.
 """
@@ -92,13 +93,15 @@ class DSparkProposer(DeviceProposer):
             if greedy:
                 prev = logits.argmax(-1)
             else:
-                # [R], [R, V] the exact draft distribution (one-hot on a fixed id where it is not finite)
+                # [R], [R, V] the exact draft distribution (one-hot on a fixed id where it is not finite); no q
+                # when every request uses the Gumbel-max scheme (its verification never reads one)
                 prev, q = sample_draft(logits, step.sampling, step.pending_pos + 1 + i, STREAM_DRAFT)
-                probs.append(q)
+                if q is not None:
+                    probs.append(q)
             tokens.append(prev)
         confidences = None
         if w_h is not None:  # z_i = proj_h · h_i + proj_e · markov_w1[prev_i], then the calibration
             z = F.linear(out.hidden.float(), w_h).squeeze(-1) + torch.stack(conf_z, 1)  # [R, k]
             # a NaN confidence (a broken drafter row) would reach the host budget: read it as "rejected"
             confidences = calibrated_confidences(z, temperature, survival_map).nan_to_num(0.0)
-        return DraftBatch(torch.stack(tokens, 1), None if greedy else torch.stack(probs, 1), confidences)
+        return DraftBatch(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, confidences)

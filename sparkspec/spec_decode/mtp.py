@@ -78,8 +78,10 @@ class MTPProposer(DeviceProposer):
             if step.sampling.all_greedy:  # q would be one-hot on the argmax
                 tokens.append(logits.argmax(-1))
                 continue
-            # a row whose q is not finite drafts a fixed id with a one-hot q (`sample_draft`): lossless, in range
+            # a row whose q is not finite drafts a fixed id with a one-hot q (`sample_draft`): lossless, in range;
+            # Gumbel-max requests draw with the target's noise at the draft's position and need no q
             token, q = sample_draft(logits, step.sampling, step.pending_pos + 1 + j, STREAM_DRAFT)
             tokens.append(token)
-            probs.append(q)
+            if q is not None:
+                probs.append(q)
         return DraftBatch(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None)

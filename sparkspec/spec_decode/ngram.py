@@ -1,7 +1,8 @@
 """n-gram prompt lookup (no model): a baseline, and fast on copy-heavy prompts (Saxena, "Prompt Lookup
 Decoding", 2023). The last n tokens of the request (prompt + output, pending token included) are looked up
 in its earlier tokens, longest n first; the tokens that followed the most recent match are the drafts, with
-a one-hot q (verification stays lossless at any temperature)."""
+a one-hot q (verification stays lossless at any temperature; under the Gumbel-max scheme a draft is accepted iff
+it equals the target's own Gumbel-max token at its position)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,17 @@ exactly `sample(probs_for(logits, st), st.seeds, positions, STREAM_TARGET)`, the
 offsets past the emitted token were computed but did not influence the output, so reusing them in the next step
 keeps every position's randomness fresh; and a seeded request's tokens do not depend on the rest of the batch.
 
+Drafter-invariant scheme (Daliri, Musco, Suresh, "Coupling without communication and drafter-invariant
+speculative decoding", arXiv 2408.07978), for rows with `st.gumbel`: the target's token at position t is the
+Gumbel-max draw g_t = argmax_v(log p_t(v) + G(seed, t, v)) (`sampling.gumbel_sample`; G from STREAM_GUMBEL
+only, keyed by the seed and t), and a drafter draws d_t = argmax_v(log q_t(v) + G(seed, t, v)) with the same
+noise. Verification accepts d_i iff d_i == g_i (given the accepted prefix, row i is that prefix's p), and
+emits g_L at L. So the emitted tokens are g_0, g_1, .. of plain decoding with the same seed, token for token,
+whatever the drafter, k, the budget or the batch (given the same logits); q is never read (any draft is
+lossless), and each token ~ p by the Gumbel-max property. A draft is accepted with probability
+Pr[argmax(log p + G) = argmax(log q + G)] >= (1 - TV(p, q)) / (1 + TV(p, q)), against 1 - TV for rejection
+sampling. Greedy rows are argmax verification in both schemes.
+
 Non-finite rows (`sampling.is_finite_dist`: NaN / inf logits, e.g. a numerically broken model): a draft is
 never accepted at a row whose p is not finite, so L stops at the first such row, and the request is flagged
 (`verify`'s is_finite) exactly when the token it emits at L would come from one. That is the row plain
@@ -42,6 +53,7 @@ from sparkspec.ops.sampling import (
     STREAM_RESIDUAL,
     STREAM_TARGET,
     SamplingTensors,
+    gumbel_sample,
     inverse_cdf,
     is_finite_dist,
     probs_for,
@@ -49,6 +61,9 @@ from sparkspec.ops.sampling import (
 
 
 class RejectionSampler:
+    """Verification of every request's drafts in one call, by the scheme each row's `SamplingTensors.gumbel`
+    names (rejection sampling or the drafter-invariant Gumbel-max scheme; see the module docstring)."""
+
     def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         return self.forward(*args, **kwargs)
 
@@ -61,7 +76,8 @@ class RejectionSampler:
         self,
         target_logits: torch.Tensor,  # [R, K+1, V] fp32
         draft_ids: torch.Tensor,  # [R, K] int64, -1 padded: request r's drafts in columns 0..n_r-1
-        draft_probs: torch.Tensor | None,  # [R, K, V] fp32 q_i; None: one-hot drafts (deterministic drafter)
+        draft_probs: torch.Tensor | None,  # [R, K, V] fp32 q_i; None: one-hot drafts (deterministic drafter);
+        # never read on Gumbel rows
         st: SamplingTensors,  # R requests
         positions: torch.Tensor,  # [R] int64: absolute position of the first verified token (where d_0 sits)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,6 +96,11 @@ class RejectionSampler:
         if st.all_greedy:
             is_finite = is_finite_dist(target_logits)  # [R, K+1]
             accept = d == argmax[:, :K]
+        elif st.all_gumbel:  # g_i: the target's own Gumbel-max token at each verified position
+            g, ok = gumbel_sample(target_logits.reshape(R * K1, V), st.repeat_interleave(K1),
+                                  (positions.unsqueeze(1) + cols).reshape(-1))
+            g, is_finite = g.view(R, K1), ok.view(R, K1)
+            accept = d == g[:, :K]
         else:
             p = probs_for(target_logits.reshape(R * K1, V), st.repeat_interleave(K1)).view(R, K1, V)
             is_finite = is_finite_dist(target_logits, p)  # [R, K+1]
@@ -90,11 +111,19 @@ class RejectionSampler:
             u = uniform_at(st.seeds.view(1, R, 1), positions.view(1, R, 1) + cols, streams.view(-1, 1, 1), 0,
                            torch.float64)  # [streams, R, K+1]
             accept = torch.where(st.greedy.unsqueeze(1), d == argmax[:, :K], u[STREAM_ACCEPT, :, :K] * q_d < p_d)
+            if st.any_gumbel:  # per-request scheme: both computed, each row takes its own
+                g = gumbel_sample(target_logits.reshape(R * K1, V), st.repeat_interleave(K1),
+                                  (positions.unsqueeze(1) + cols).reshape(-1))[0].view(R, K1)
+                accept = torch.where(st.gumbel.unsqueeze(1), d == g[:, :K], accept)
         accept &= (cols[:K] < n.unsqueeze(1)) & is_finite[:, :K]
         L = accept.long().cumprod(1).sum(1)  # [R] leading accepts
         token = argmax[rows, L]  # [R] greedy: recovered and bonus are both argmax p_L
 
-        if not st.all_greedy:
+        if st.all_greedy:
+            pass
+        elif st.all_gumbel:
+            token = g[rows, L]  # greedy rows' g is the argmax
+        else:
             p_L = p[rows, L]  # [R, V]
             at = L.clamp(max=max(K - 1, 0))  # [R] the rejected draft's column (any column when bonus)
             if K == 0:
@@ -108,6 +137,8 @@ class RejectionSampler:
             dist = torch.where((bonus | ~(residual.sum(1) > 0)).unsqueeze(1), p_L, residual)
             u_tok = torch.where(bonus, u[STREAM_TARGET, rows, L], u[STREAM_RESIDUAL, rows, L])  # [R]
             token = torch.where(st.greedy, token, inverse_cdf(dist, u_tok))
+            if st.any_gumbel:
+                token = torch.where(st.gumbel, g[rows, L], token)
 
         drafts = torch.cat([d, d.new_zeros(R, 1)], 1)  # [R, K+1]
         out = torch.where(cols < L.unsqueeze(1), drafts, torch.where(cols == L.unsqueeze(1), token.unsqueeze(1), -1))
