@@ -328,8 +328,9 @@ class VerificationBudget:
 
     def next_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
         """Once per engine step: `plan_num_drafts`, except during a probe of the other arm. A probe starts every
-        `probe_every` decisions of a bucket, or right away (up to `max_first_probes` times) while the arm has
-        fewer than `min_samples` samples, and lasts `probe_len` decisions."""
+        `probe_every` decisions of a bucket (twice that where one arm is > 25 % ahead), or right away (up to
+        `max_first_probes` times) while the arm has fewer than `min_samples` samples; it lasts `probe_len`
+        decisions."""
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
         k = self.plan_num_drafts(num_reqs, num_base_tokens)
@@ -339,7 +340,10 @@ class VerificationBudget:
             other: Arm = "plain" if k else "spec"
             since = st.num_decisions - st.last_start
             unseen = self.step_times.count(num_reqs, other) < self.min_samples
-            if since >= self.probe_every or (unseen and st.num_started < self.max_first_probes
+            theta = self.modelled_throughput(num_reqs, num_base_tokens)
+            margin = max(theta.values()) / max(min(theta.values()), 1e-9)
+            every = self.probe_every * (2 if margin > 1.25 else 1)  # a clear loser is probed half as often
+            if since >= every or (unseen and st.num_started < self.max_first_probes
                                              and since > self.probe_len):
                 st.arm, st.left, st.last_start = other, self.probe_len, st.num_decisions
                 st.num_started += 1
