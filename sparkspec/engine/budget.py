@@ -306,25 +306,25 @@ class VerificationBudget:
     def modelled_throughput(self, num_reqs: int, num_base_tokens: int | None = None) -> dict[Arm, float]:
         """Expected tokens per second of each arm at `num_reqs` sampling requests: measured wall times where
         `measured`, else the cost table's. The spec arm is worth 0 where the table verifies no draft."""
-        base = num_reqs if num_base_tokens is None else num_base_tokens
-        k, tau, spec_s, plain_s = self.static_plan(num_reqs, base)
+        return self._model(num_reqs, num_reqs if num_base_tokens is None else num_base_tokens)[0]
+
+    def _model(self, num_reqs: int, num_base_tokens: int) -> tuple[dict[Arm, float], int]:
+        """-> (Theta per arm, k of the spec arm: every draft on padded steps, else what Algorithm 1 would verify,
+        at least 1). One pass over the cost table (Algorithm 1 over R x k items where steps are not padded)."""
+        k, tau, spec_s, plain_s = self.static_plan(num_reqs, num_base_tokens)
         if self.measured(num_reqs):
             spec_s, plain_s = self.step_times.seconds(num_reqs, "spec"), self.step_times.seconds(num_reqs, "plain")
-        return {"plain": num_reqs / max(plain_s, 1e-9), "spec": tau / max(spec_s, 1e-9) if k else 0.0}
+        theta: dict[Arm, float] = {"plain": num_reqs / max(plain_s, 1e-9),
+                                   "spec": tau / max(spec_s, 1e-9) if k else 0.0}
+        return theta, (self.num_spec_tokens if self.padded else max(k, 1))
 
     def plan_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
         """The modelled choice, no probes, no state: k if the spec arm's Theta beats plain decoding, else 0
         (0: the next step skips the drafter, no speculation tax)."""
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
-        theta = self.modelled_throughput(num_reqs, num_base_tokens)
-        return self.spec_k(num_reqs, num_base_tokens) if theta["spec"] > theta["plain"] else 0
-
-    def spec_k(self, num_reqs: int, num_base_tokens: int) -> int:
-        """k of the spec arm: every draft on padded steps, else what Algorithm 1 would verify (at least 1)."""
-        if self.padded:
-            return self.num_spec_tokens
-        return max(self.static_plan(num_reqs, num_base_tokens)[0], 1)
+        theta, k = self._model(num_reqs, num_base_tokens)
+        return k if theta["spec"] > theta["plain"] else 0
 
     def next_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
         """Once per engine step: `plan_num_drafts`, except during a probe of the other arm. A probe starts every
@@ -333,23 +333,24 @@ class VerificationBudget:
         decisions."""
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
-        k = self.plan_num_drafts(num_reqs, num_base_tokens)
+        theta, k_spec = self._model(num_reqs, num_base_tokens)
+        best: Arm = "spec" if theta["spec"] > theta["plain"] else "plain"
         st = self._probes.setdefault(bucket_of(num_reqs), _Probe())
         st.num_decisions += 1
         if not st.left:
-            other: Arm = "plain" if k else "spec"
+            other: Arm = "plain" if best == "spec" else "spec"
             since = st.num_decisions - st.last_start
             unseen = self.step_times.count(num_reqs, other) < self.min_samples
-            theta = self.modelled_throughput(num_reqs, num_base_tokens)
-            margin = max(theta.values()) / max(min(theta.values()), 1e-9)
+            margin = theta[best] / max(theta[other], 1e-9)
             every = self.probe_every * (2 if margin > 1.25 else 1)  # a clear loser is probed half as often
-            if since >= every or (unseen and st.num_started < self.max_first_probes
-                                             and since > self.probe_len):
+            if since >= every or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
                 st.arm, st.left, st.last_start = other, self.probe_len, st.num_decisions
                 st.num_started += 1
+        arm = best
         if st.left:
             st.left -= 1
-            k = self.spec_k(num_reqs, num_base_tokens) if st.arm == "spec" else 0
+            arm = st.arm
+        k = k_spec if arm == "spec" else 0
         self._proposing = k > 0
         return k
 
