@@ -58,8 +58,10 @@ def fp32_weight(*modules: nn.Module) -> torch.Tensor:
 
 def head_logits(head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
     """h [T, H] fp32 (normed) -> logits [T, V] fp32 with the LM head; a vocab-parallel head (`head.tp`, see
-    `sparkspec.distributed.tensor_parallel`) holds V / world rows and gathers the ranks' logits."""
-    return all_gather_last(F.linear(h, fp32_weight(head)), getattr(head, "tp", None))
+    `sparkspec.distributed.tensor_parallel`) holds V / world rows and gathers the ranks' logits. `ops.lm_head`:
+    the native version multiplies by the cached fp32 copy of the weight, the accelerated one reads the bf16 weight
+    (no fp32 copy is made)."""
+    return all_gather_last(ops.lm_head(h, head.weight, lambda: fp32_weight(head)), getattr(head, "tp", None))
 
 
 class Rotary(nn.Module):

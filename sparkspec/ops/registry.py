@@ -179,7 +179,7 @@ def _load_all() -> None:
     if _loaded:
         return
     _loaded = True
-    from sparkspec.ops import attention, compressor, indices, mhc, moe, quant, rope, sampling  # noqa: F401
+    from sparkspec.ops import attention, compressor, head, indices, mhc, moe, quant, rope, sampling  # noqa: F401
 
 
 def _load_kernels() -> None:
