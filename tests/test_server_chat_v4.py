@@ -57,20 +57,27 @@ class V4Server(Server):
         super().__init__(engine)
         self.forced: list[int] | None = None
         self.prompts: list[list[int]] = []
-        real_append, async_engine = engine.append, self.app.state.engine
+        real_append, real_append_tokens = engine.append, engine.append_tokens
+        async_engine = self.app.state.engine
         real_generate = async_engine.generate
 
-        def append(seq, tokens):  # the engine thread: the i-th output token becomes forced[i], then EOS
-            if self.forced is not None:
-                n = len(seq.output_ids)
-                tokens = (self.forced[n:] + [EOS_ID] * len(tokens))[: len(tokens)]
-            real_append(seq, tokens)
+        def scripted(seq, tokens):  # the engine thread: the i-th output token becomes forced[i], then EOS
+            if self.forced is None:
+                return tokens
+            n = len(seq.output_ids)
+            return (self.forced[n:] + [EOS_ID] * len(tokens))[: len(tokens)]
+
+        def append(seq, tokens):  # the general path (requests with a grammar)
+            real_append(seq, scripted(seq, tokens))
+
+        def append_tokens(seq, tokens, now):  # the lean path
+            return real_append_tokens(seq, scripted(seq, tokens), now)
 
         def generate(prompt_ids, params, request_id=None):
             self.prompts.append(list(prompt_ids))
             return real_generate(prompt_ids, params, request_id)
 
-        engine.append, async_engine.generate = append, generate
+        engine.append, engine.append_tokens, async_engine.generate = append, append_tokens, generate
 
     def force(self, text: str | None, eos: bool = True) -> list[int] | None:
         """The model writes `text` (its tokens, markers as their ids), then EOS."""
@@ -323,8 +330,6 @@ BAD_V4 = [  # (request fields, the field named)
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "params": {}}}]}, "tools[0].function.params"),
     ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools[1].function.name"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
@@ -355,11 +360,72 @@ def test_bad_fields_are_a_400_naming_them(server, fields, field):
     assert error["param"] == field and field in error["message"], error
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "search"}}])
-def test_forced_tool_calls_need_structured_output(server, tool_choice):
-    with pytest.raises(openai.BadRequestError, match="structured output") as e:
-        chat(server, USER, tools=TOOLS, tool_choice=tool_choice)
-    assert e.value.body["param"] == "tool_choice" and e.value.body["code"] == "unsupported_parameter"
+FLAGS_TOOL = {"type": "function", "function": {  # every value is bounded by its grammar: a random model finishes
+    "name": "set_flags", "parameters": {"type": "object", "properties": {
+        "on": {"type": "boolean"}, "mode": {"enum": [1, 2, 3]}, "note": {"type": "null"}}, "required": ["on"]}}}
+NO_ARGS_TOOL = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_forces_one_valid_call(server, stream):
+    """A random model under tool_choice = a named function writes exactly one call of it whose arguments follow
+    the function's schema (the grammar: dsv4_tool_grammar), streamed or not; finish_reason is tool_calls. (Greedy
+    on a fixed checkpoint: the same tokens every run; every value here is bounded by its grammar.)"""
+    fields = {"tools": [FLAGS_TOOL, WEATHER_TOOL], "max_tokens": 400, "temperature": 0,
+              "tool_choice": {"type": "function", "function": {"name": "set_flags"}}}
+    if stream:
+        state = ChatCompletionStreamState()
+        for chunk in client(server).chat.completions.create(model=MODEL, messages=USER, stream=True, **fields):
+            state.handle_chunk(chunk)
+        choice = state.get_final_completion().choices[0]
+    else:
+        choice = chat(server, USER, **fields).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "set_flags"
+    args = json.loads(calls[0].function.arguments)
+    assert isinstance(args["on"], bool) and set(args) <= {"on", "mode", "note"}
+    assert args.get("mode", 1) in (1, 2, 3) and args.get("note") is None
+    assert not choice.message.content
+
+
+def test_required_tool_choice_forces_calls_of_the_tools(server):
+    fields = {"tools": [NO_ARGS_TOOL, FLAGS_TOOL], "tool_choice": "required", "max_tokens": 400, "seed": 3,
+              "temperature": 1}
+    choice = chat(server, USER, **fields).choices[0]
+    if choice.finish_reason == "length":  # "one more call" may win again and again: sampled, it ends
+        pytest.skip("the random model kept calling past max_tokens")
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("ping", "set_flags")
+        args = json.loads(call.function.arguments)
+        assert args == {} if call.function.name == "ping" else isinstance(args["on"], bool)
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_a_forced_call_the_model_writes_itself_is_parsed(server, think):
+    """What the model writes under the grammar is what the parser reads (here the script writes a two-call block,
+    after its reasoning in thinking mode: the engine's matcher accepts every token, or the request would fail)."""
+    server.force(("Two calls." + "</think>" if think else "") + "\n\n" + TWO_CALLS)
+    search = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+        "q": {"type": "string"}, "n": {"type": "array"}}}}}
+    extra = {"extra_body": thinking()} if think else {}
+    choice = chat(server, USER, tools=[WEATHER_TOOL, search], tool_choice="required", max_tokens=200,
+                  **extra).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("search", {"q": 'a "quoted" <b>', "n": [1, 2]})]
+    assert getattr(choice.message, "reasoning_content", None) == ("Two calls." if think else None)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+])
+def test_bad_forced_tool_choices(server, fields, field):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, **fields}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_info_reports_the_chat_format(server):
@@ -390,7 +456,7 @@ BAD_JINJA = [
     ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs.enable_thinking"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"tools": TOOLS}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tools"),
     ({"messages": [*USER, {"role": "tool", "tool_call_id": "c", "content": "x"}]}, "messages[1].role"),
     ({"messages": [{"role": "latest_reminder", "content": "x"}, *USER]}, "messages[0].role"),
     ({"messages": [*USER, {"role": "assistant", "content": "a", "reasoning_content": "r"}, *USER]},

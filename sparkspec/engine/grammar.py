@@ -67,17 +67,26 @@ class GrammarBackend:
         self.compile = functools.lru_cache(maxsize=256)(self._compile)
 
     def _compile(self, fmt: StructuredOutput):
-        """-> CompiledGrammar, or ValueError naming response_format (an invalid or unsupported schema)."""
+        """-> CompiledGrammar, or ValueError naming the field (an invalid or unsupported schema / grammar)."""
         if fmt.type == "json_object":
             return self.compiler.compile_builtin_json_grammar()
-        try:
+        c = self.compiler
+        compile_kind = {
             # any_whitespace=False: compact JSON (", " and ": " separators), so a model cannot pad forever
             # strict_mode: properties the schema does not name are not generated (the output still validates)
-            return self.compiler.compile_json_schema(fmt.schema_json, any_whitespace=False, strict_mode=True)
-        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError / ...: all mean a bad schema
+            "json_schema": lambda: c.compile_json_schema(fmt.schema, any_whitespace=False, strict_mode=True),
+            "regex": lambda: c.compile_regex(fmt.schema),
+            "grammar": lambda: c.compile_grammar(fmt.schema),
+            "choice": lambda: c.compile_grammar(choice_ebnf(json.loads(fmt.schema))),
+            "structural_tag": lambda: c.compile_structural_tag(fmt.schema),
+        }[fmt.type]
+        try:
+            return compile_kind()
+        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError / ...: all mean a bad input
             why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
-            raise ValueError(f"response_format.json_schema.schema: not a JSON schema xgrammar accepts ({why})") \
-                from None
+            where = "response_format.json_schema.schema" if fmt.type == "json_schema" else \
+                f"structured_outputs.{fmt.type}"
+            raise ValueError(f"{where}: not a {KIND_NAMES[fmt.type]} xgrammar accepts ({why})") from None
 
     def matcher(self, fmt: StructuredOutput) -> RequestGrammar:
         return RequestGrammar(self.xgr, self.xgr.GrammarMatcher(self.compile(fmt)), self.vocab_size)
@@ -129,6 +138,47 @@ class RequestGrammar:
         if accepted:
             self.matcher.rollback(accepted)
         return drafts, masks, num_redrawn
+
+
+KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
+              "choice": "list of choices", "structural_tag": "structural tag"}
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """One of `choices`, exactly, as an EBNF grammar (each choice a JSON-escaped string literal)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def parse_structured_outputs(value) -> StructuredOutput | None:
+    """vLLM's `structured_outputs` request field ({"json": schema} | {"regex": str} | {"grammar": ebnf} |
+    {"choice": [str, ...]} | {"structural_tag": str | object}, exactly one key) -> StructuredOutput;
+    ValueError naming the field."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError('structured_outputs: expected an object such as {"regex": "[0-9]+"}')
+    unknown = sorted(set(value) - STRUCTURED_OUTPUTS_KEYS)
+    if unknown:
+        raise ValueError(f"structured_outputs.{unknown[0]}: unknown field (expected one of "
+                         f"{', '.join(sorted(STRUCTURED_OUTPUTS_KEYS))})")
+    given = [k for k in sorted(value) if value[k] is not None]
+    if len(given) != 1:
+        raise ValueError("structured_outputs: give exactly one of " + ", ".join(sorted(STRUCTURED_OUTPUTS_KEYS)))
+    key = given[0]
+    if key == "json":
+        schema = value[key]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise ValueError("structured_outputs.json: not valid JSON") from None
+        if not isinstance(schema, dict):
+            raise ValueError("structured_outputs.json: expected a JSON schema object")
+        return StructuredOutput("json_schema", schema)
+    return StructuredOutput(key, value[key])
+
+
+STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "grammar", "choice", "structural_tag"}
 
 
 def parse_response_format(value) -> StructuredOutput | None:

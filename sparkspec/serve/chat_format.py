@@ -19,8 +19,9 @@ Request fields, as vLLM names them for DeepSeek:
   tools                 OpenAI function tools, declared where the format puts them (the system prompt)
   tool_choice           "auto" (the default): calls are parsed when tools are given; "none": tools stay in the
                         prompt (earlier turns render as they did) and the output is not parsed for calls;
-                        "required" or a named function: 400, since forcing a call needs grammar-constrained
-                        decoding (structured output), which this server does not have yet
+                        "required" (one or more calls) or a named function (exactly one call of it): the output
+                        is constrained to a DSML call block by a grammar (`chat.forced_tool_calls`, structured
+                        output: lossless under speculation like response_format, with which it cannot combine)
 Content-part lists (`[{"type": "text", "text": ...}]`) are flattened (texts joined with nothing); a tool message's
 parts go to the encoder as they are (it joins them with a blank line, as the reference does). Other part types
 are a 400.
@@ -39,13 +40,13 @@ from sparkspec.chat import (
     encode_messages,
     parse_completion,
 )
+from sparkspec.chat.dsv4_tool_grammar import forced_tool_calls
+from sparkspec.sampling_params import StructuredOutput
 from sparkspec.serve.protocol import ChatCompletionRequest, RequestError, short
 from sparkspec.tokenizer import Tokenizer
 
 CHAT_TEMPLATE_KWARGS = {"thinking": False, "drop_thinking": True}  # key -> its default (the neutral value)
 TOOL_KEYS, FUNCTION_KEYS = {"type", "function"}, {"name", "description", "parameters", "strict"}
-FORCED_TOOLS = ("forcing a tool call needs structured output (grammar-constrained decoding), which this server "
-                "does not support yet; use tool_choice 'auto'")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class ChatOutput:
 
     thinking: bool
     parse_tools: bool
+    structured: StructuredOutput | None = None  # a forced tool call's grammar (tool_choice required / named)
 
     def parse(self, text: str) -> ParsedCompletion:
         return parse_completion(text, thinking=self.thinking, parse_tools=self.parse_tools)
@@ -78,7 +80,7 @@ def chat_prompt(req: ChatCompletionRequest, chat_format: ChatFormat | None,
         raise _bad("reasoning_effort", f"expected one of {', '.join(REASONING_EFFORTS)}, got "
                                        f"{short(req.reasoning_effort)}")
     tools = check_tools(req.tools)
-    parse_tools = check_tool_choice(req.tool_choice, tools)
+    parse_tools, forced = check_tool_choice(req.tool_choice, tools)
     if chat_format == "jinja":
         return _jinja_prompt(req, tokenizer, thinking, drop_thinking, tools), None
     if req.reasoning_effort is not None and not thinking:
@@ -92,7 +94,15 @@ def chat_prompt(req: ChatCompletionRequest, chat_format: ChatFormat | None,
     except ValueError as e:  # the encoder names the field: "messages[2].tool_calls[0].function.name: ..."
         field, _, message = str(e).partition(": ")
         raise _bad(field, message) from None
-    return ids, ChatOutput(thinking=thinking, parse_tools=parse_tools)
+    structured = None
+    if forced is not None:
+        if req.response_format is not None and req.response_format != {"type": "text"} \
+                or req.structured_outputs is not None:
+            raise _bad("tool_choice", "a forced tool call cannot be combined with response_format or "
+                                      "structured_outputs")
+        name = None if forced == "required" else forced
+        structured = StructuredOutput("structural_tag", forced_tool_calls(tools, name, thinking))
+    return ids, ChatOutput(thinking=thinking, parse_tools=parse_tools, structured=structured)
 
 
 def template_kwargs(kwargs: Any) -> tuple[bool, bool]:
@@ -150,14 +160,16 @@ def check_tools(tools: Any) -> list[dict]:
     return tools
 
 
-def check_tool_choice(choice: Any, tools: list[dict]) -> bool:
-    """-> whether the output is parsed for tool calls. Forced calls (required, a named function) are a 400."""
+def check_tool_choice(choice: Any, tools: list[dict]) -> tuple[bool, str | None]:
+    """-> (whether the output is parsed for tool calls, the forced call: None, "required" or a function name)."""
     if choice is None or choice == "auto":
-        return bool(tools)
+        return bool(tools), None
     if choice == "none":
-        return False
+        return False, None
     if choice == "required":
-        raise _bad("tool_choice", f"'required': {FORCED_TOOLS}", "unsupported_parameter")
+        if not tools:
+            raise _bad("tool_choice", "'required' needs tools")
+        return True, "required"
     if isinstance(choice, dict):
         fn = choice.get("function")
         if set(choice) != {"type", "function"} or choice["type"] != "function" or not isinstance(fn, dict) \
@@ -165,7 +177,7 @@ def check_tool_choice(choice: Any, tools: list[dict]) -> bool:
             raise _bad("tool_choice", 'expected {"type": "function", "function": {"name": ...}}')
         if fn["name"] not in {t["function"]["name"] for t in tools}:
             raise _bad("tool_choice.function.name", f"{short(fn['name'])} is not one of the request's tools")
-        raise _bad("tool_choice", f"a named function: {FORCED_TOOLS}", "unsupported_parameter")
+        return True, fn["name"]
     raise _bad("tool_choice", f"expected 'auto', 'none', 'required' or a named function, got {short(choice)}")
 
 

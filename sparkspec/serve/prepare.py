@@ -6,7 +6,7 @@ and tokenise, and run in a worker thread, so that a large prompt delays nobody e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 
@@ -119,7 +119,10 @@ def prepare_chat(engine: AsyncLLMEngine, settings: ServerSettings, raw: bytes
     req = parse_request(ChatCompletionRequest, load_json(raw))
     check_model(req, settings)
     prompt_ids, output = chat_prompt(req, settings.chat_format, engine.tokenizer)
-    return req, prompt_ids, sampling_params(req, engine, settings, prompt_ids), output
+    params = sampling_params(req, engine, settings, prompt_ids)
+    if output is not None and output.structured is not None:  # a forced tool call: its grammar
+        params = replace(params, structured=output.structured)
+    return req, prompt_ids, params, output
 
 
 def admit(engine: AsyncLLMEngine, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -129,7 +132,7 @@ def admit(engine: AsyncLLMEngine, prompt_ids: list[int], params: SamplingParams)
         engine.check(prompt_ids, params)
     except (QueueFullError, ValueError) as e:
         msg = str(e)
-        field = msg.split(":")[0] if msg.startswith("response_format") else \
+        field = msg.split(":")[0] if msg.startswith(("response_format", "structured_outputs", "tool_choice")) else \
             "max_tokens" if "max_tokens" in msg else "prompt"
         raise from_engine(e, field) from None
     if not engine.is_running:

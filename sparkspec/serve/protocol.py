@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sparkspec.engine.grammar import parse_response_format
+from sparkspec.engine.grammar import parse_response_format, parse_structured_outputs
 from sparkspec.sampling_params import MAX_N, SEED_END, SEED_MIN, SamplingParams, StructuredOutput
 
 MAX_JSON_DEPTH = 32  # far above any request we accept; deeper bodies could exhaust the stack while compared
@@ -71,6 +71,8 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
     response_format: Any = None  # text | json_object | json_schema (sparkspec.engine.grammar.parse_response_format)
+    # vLLM's extension: {"json" | "regex" | "grammar" | "choice" | "structural_tag": ...} (parse_structured_outputs)
+    structured_outputs: Any = None
 
     NEUTRAL: ClassVar[dict] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": (None, {})}
 
@@ -141,12 +143,15 @@ class _Common(BaseModel):
     def structured_output(self) -> StructuredOutput | None:
         """`response_format` -> what SamplingParams.structured takes (None: plain text); a 400 naming the field.
         Whether the schema compiles is the engine's check (`LLMEngine.check_request`, at admission)."""
-        if self.response_format is None:
-            return None
         try:
-            return parse_response_format(self.response_format)
+            fmt = None if self.response_format is None else parse_response_format(self.response_format)
+            extra = parse_structured_outputs(self.structured_outputs)
         except ValueError as e:
             raise RequestError(str(e), str(e).split(":")[0].split(" ")[0]) from None
+        if fmt is not None and extra is not None:
+            raise RequestError("'structured_outputs': cannot be combined with a response_format other than text",
+                               "structured_outputs")
+        return fmt or extra
 
     def extra_params(self) -> dict:
         """SamplingParams fields particular to the endpoint (logprobs)."""
