@@ -83,9 +83,11 @@ def _reference(x, w13, w2, w, ids):
 
 
 def _assert_close(y, ref, rel):
-    """|y - ref| <= rel * max |ref| of its output column (the 2^40 weight row makes one column huge)."""
+    """|y - ref| <= rel * (max |ref| of its output column + the median of those): per column, since the 2^40
+    weight row makes one column huge; the median, since at T = 1 a column's one value may be a cancellation."""
     err = (y.float() - ref).abs()  # [T, H]
-    scale = ref.abs().amax(dim=0, keepdim=True)  # [1, H]
+    col = ref.abs().amax(dim=0, keepdim=True)  # [1, H]
+    scale = col + col.median()
     bad = err > rel * scale + 1e-30
     assert not bad.any(), f"{int(bad.sum())} elements off; worst err/scale {(err / scale).max().item():.3e}"
 

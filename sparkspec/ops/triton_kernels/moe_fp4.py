@@ -111,6 +111,14 @@ def _fp4_gemm(
 ):
     """acc + x[rows] · W[w_rows]ᵀ over all K, W dequantised tile by tile (FMA path or `tl.dot`, by BLOCK_M)."""
     ms = tl.arange(0, BLOCK_M)
+    if BLOCK_M == 1:  # decode: per-group partial sums carried over K, one cross-group reduction at the end
+        acc_g = tl.zeros([BLOCK_N, G], dtype=tl.float32)
+        for kb0 in range(0, K // 2, G * 16):
+            lo, hi, sc = _fp4_tile(w_ptr, s_ptr, w_rows, n_ok, kb0, K, G)
+            xe, xo = _x_halves(x_ptr, row_off, m_ok, kb0, K, G)  # [1, G, 16]
+            xe, xo = tl.sum(xe, axis=0), tl.sum(xo, axis=0)  # [G, 16]
+            acc_g += tl.sum(lo * xe[None] + hi * xo[None], axis=2) * 16384.0 * sc
+        return acc + tl.sum(acc_g, axis=1)[None, :]
     for kb0 in range(0, K // 2, G * 16):
         lo, hi, sc = _fp4_tile(w_ptr, s_ptr, w_rows, n_ok, kb0, K, G)
         xe, xo = _x_halves(x_ptr, row_off, m_ok, kb0, K, G)  # [BLOCK_M, G, 16]
