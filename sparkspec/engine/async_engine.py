@@ -169,6 +169,25 @@ class AsyncLLMEngine:
             except RuntimeError:  # the loop is closed
                 pass
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one wake-up of each event loop per step, not one per output (each
+        `call_soon_threadsafe` writes to the loop's self-pipe). Each stream still gets its outputs in order."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            targets = [self._streams.get(out.request_id) for out in outputs]
+        for out, target in zip(outputs, targets):
+            item = out
+            if out.finish_reason == "error":
+                log.warning("request %s failed: %s", out.request_id, out.error)
+                item = RequestFailedError(out.error or "the request failed")
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # the loop is closed
+                pass
+
     def _handle(self, cmd) -> None:
         kind, request_id, prompt_ids, params = cmd
         if kind == "add":
@@ -219,12 +238,8 @@ class AsyncLLMEngine:
                     self._fail_step(held, e)
                     continue
                 self._failures_in_a_row = 0  # the step committed (failures of single rows included)
-                for out in outputs:
-                    if out.finish_reason == "error":
-                        log.warning("request %s failed: %s", out.request_id, out.error)
-                        self._deliver(out.request_id, RequestFailedError(out.error or "the request failed"))
-                    else:
-                        self._deliver(out.request_id, out)
+                if outputs:
+                    self._deliver_step(outputs)
         except BaseException as e:  # a bug: fail every open stream instead of hanging it, then tell the server
             log.exception("engine thread crashed")
             self.error = e
@@ -241,3 +256,9 @@ class AsyncLLMEngine:
                 ids = list(self._streams)
             for rid in ids:
                 self._deliver(rid, EngineDeadError("the server is shutting down"))
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: one step's outputs into their streams' queues."""
+    for q, item in puts:
+        q.put_nowait(item)
