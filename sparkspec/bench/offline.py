@@ -114,6 +114,7 @@ def run_offline(args) -> list[dict]:
                            num_spec_tokens=setting.num_spec_tokens, max_num_seqs=max(concurrencies),
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enforce_eager=args.enforce_eager).engine
+        engine.emit_unfinished = False  # the loop reads finished requests only, as `LLM.generate` does
         startup = time.perf_counter() - t0
         engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for c in concurrencies:
