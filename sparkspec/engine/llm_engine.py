@@ -113,7 +113,8 @@ class LLMEngine:
             from sparkspec.engine.spec_policy import SpecPolicy
 
             self.spec = SpecPolicy(model, config, drafter_tensors or {}, proposer)
-        self.runner = ModelRunner(model, self.spec.proposer if self.spec else None, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.spec.proposer if self.spec else None, config.max_num_seqs,
+                                  sampling_scheme=config.sampling_scheme)
         num_lookahead = self.spec.num_spec_tokens if self.spec else 0
         device = "cpu" if self.runner.device.type == "cpu" else str(self.runner.device)
         self.kv_plan: KVCachePlan = plan_kv_cache(  # priced in the dtypes and shapes `allocate` uses
