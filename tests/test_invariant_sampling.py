@@ -5,8 +5,6 @@ same seeded tokens for none / DSpark / MTP / n-gram. Synthetic parts are determi
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import math
 
 import pytest
@@ -302,30 +300,26 @@ def demo_tokens(ckpt, ids, method, **kw):
 
 
 @pytest.mark.parametrize("method", ["dspark", "mtp", "ngram"])
-def test_demo_seeded_tokens_identical_with_any_drafter_runner_patched(demo, method, monkeypatch):
-    """Every request Gumbel (the runner's SamplingTensors made with gumbel=True, as the engine switch will make
-    them): the same tokens for none and each drafter, fixed and adaptive budget."""
-    import sparkspec.engine.model_runner as model_runner
-
-    monkeypatch.setattr(model_runner, "SamplingTensors", functools.partial(SamplingTensors, gumbel=True))
-    ckpt, ids = demo
-    plain = demo_tokens(ckpt, ids, "none")
-    for budget in ("fixed", "adaptive"):
-        assert demo_tokens(ckpt, ids, method, spec_budget=budget) == plain
-
-
-def runner_reads_the_scheme() -> bool:
-    from sparkspec.engine.model_runner import ModelRunner
-
-    return "sampling_scheme" in inspect.signature(ModelRunner.__init__).parameters
-
-
-@pytest.mark.skipif(not runner_reads_the_scheme(), reason="EngineConfig.sampling_scheme is not wired yet: "
-                    "ModelRunner(..., sampling_scheme=config.sampling_scheme) must pass gumbel= to SamplingTensors")
-@pytest.mark.parametrize("method", ["dspark", "mtp", "ngram"])
 def test_demo_seeded_tokens_identical_with_any_drafter(demo, method):
+    """EngineConfig.sampling_scheme = "gumbel": the same tokens for none and each drafter, fixed and adaptive."""
     ckpt, ids = demo
     plain = demo_tokens(ckpt, ids, "none", sampling_scheme="gumbel")
     assert demo_tokens(ckpt, ids, method, sampling_scheme="gumbel", spec_budget="fixed") == plain
     assert demo_tokens(ckpt, ids, method, sampling_scheme="gumbel") == plain
     assert demo_tokens(ckpt, ids, "none") != plain  # the switch switches: rejection draws other tokens
+
+
+def test_demo_seeded_tokens_do_not_depend_on_the_batch_or_n(demo):
+    """Under "gumbel", a seeded request's tokens are the same alone, among 10 other requests, and as choice 0 of
+    n = 3 (its samples 1, 2 draw other noise), with DSpark's adaptive budget."""
+    from sparkspec.engine.llm import LLM
+
+    ckpt, ids = demo
+    llm = LLM(ckpt, "dspark", max_num_seqs=16, max_model_len=256, sampling_scheme="gumbel")
+    sp = SP(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)
+    alone = llm.generate([ids[0]], sp)[0].token_ids
+    others = [SP(temperature=0.8, seed=100 + i, max_tokens=20 + i, ignore_eos=True) for i in range(10)]
+    crowd = llm.generate([ids[0]] + [ids[1 + i % (len(ids) - 1)] for i in range(10)], [sp] + others)
+    assert crowd[0].token_ids == alone
+    samples = llm.generate([ids[0]], SP(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True, n=3))[0].outputs
+    assert samples[0].token_ids == alone and samples[1].token_ids != alone
