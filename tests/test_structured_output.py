@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 
 import openai
 import pytest
@@ -292,3 +293,46 @@ def test_redraw_from_masked_q_is_lossless():
 
     assert chi2(q_m) < 30  # 3 df: p ~ 1e-6
     assert chi2(q.expand(R, 1, V).clone()) > 100  # the unmasked q: biased
+
+
+# ---- grammars other than JSON: regex, EBNF, choice (vLLM's `structured_outputs`) ----
+OTHER = {"regex": StructuredOutput("regex", r"(yes|no), [0-9]{2,3}!"),
+         "grammar": StructuredOutput("grammar", 'root ::= "A" [b-d] [b-d]? "." | "Z"'),
+         "choice": StructuredOutput("choice", ["red", "green", "blue"])}
+OTHER_OK = {"regex": re.compile(r"(yes|no), [0-9]{2,3}!").fullmatch,
+            "grammar": re.compile(r"A[b-d]{1,2}\.|Z").fullmatch,
+            "choice": lambda text: text in ("red", "green", "blue")}
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER))
+@pytest.mark.parametrize("method", ["none", "dspark", "ngram"])
+def test_other_grammars_hold_under_speculation(engines, kind, method):
+    for T in (0.0, 1.0):
+        outs = engines[method].generate(PROMPTS, SamplingParams(max_tokens=40, temperature=T, seed=9,
+                                                                structured=OTHER[kind]))
+        for o in outs:
+            assert o.finish_reason == "stop" and OTHER_OK[kind](o.text), (kind, method, T, o.text)
+
+
+def test_server_structured_outputs_field(client):
+    msgs = [{"role": "user", "content": "Pick a colour."}]
+    r = client.chat.completions.create(model="demo", messages=msgs, max_tokens=20, temperature=1.0, seed=2,
+                                       extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert r.choices[0].message.content in ("red", "green", "blue")
+    r = client.completions.create(model="demo", prompt="Number:", max_tokens=20, temperature=0.0,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", r.choices[0].text)
+
+
+@pytest.mark.parametrize("so,field", [
+    ({"regex": "a", "choice": ["b"]}, "structured_outputs"),
+    ({"yaml": "x"}, "structured_outputs.yaml"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"regex": "("}, "structured_outputs.regex"),
+    ({"grammar": "root ::= "}, "structured_outputs.grammar"),
+])
+def test_server_bad_structured_outputs_is_400(client, so, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"structured_outputs": so})
+    assert e.value.body["param"] == field, e.value.body
