@@ -65,7 +65,7 @@ def _lm_head_kernel(
 
 
 def head_config(M: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows (fixed: no autotune; see .dev/gpu_E.sh)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows (fixed: no autotune; untuned first choices)."""
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     return block_m, 64, 128, 4, 3
 

@@ -236,7 +236,7 @@ class Fp4Config:
 
 
 def fp4_config(num_pairs: int, interpreter: bool) -> Fp4Config:
-    """Untuned first choices (see .dev/gpu_C.sh for the sweep): one row per program while pairs rarely share
+    """Untuned first choices (no H200 sweep yet): one row per program while pairs rarely share
     an expert (decode), tensor-core tiles once experts hold tens of rows."""
     if interpreter:
         return Fp4Config(block_m=1 if num_pairs <= 8 else 16, block_n=16, groups=1, num_stages=1)

@@ -209,7 +209,7 @@ def num_sms(device: torch.device) -> int:
 
 
 def fp8_config(num_rows: int, interpreter: bool) -> GemmConfig:
-    """First choices until the H200 sweep (`.dev/gpu_D.sh`) picks them (no autotune: see the package
+    """First choices until an H200 sweep picks them (no autotune: see the package
     docstring): up to 64 rows W is read once with row blocks as tall as M and split over K so that enough
     programs stream it; more rows take 64 x 128 tiles."""
     if interpreter:
