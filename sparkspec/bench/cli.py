@@ -1,9 +1,10 @@
-"""`sparkspec bench serve | offline | latency`."""
+"""`sparkspec bench serve | offline | latency | grammar`."""
 
 from __future__ import annotations
 
 import argparse
 
+from sparkspec.bench.grammar import add_grammar_parser
 from sparkspec.bench.latency import add_latency_parser
 from sparkspec.bench.offline import add_offline_parser
 from sparkspec.bench.serve import add_serve_bench_parser
@@ -15,4 +16,5 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_serve_bench_parser(sub)
     add_offline_parser(sub)
     add_latency_parser(sub)
+    add_grammar_parser(sub)
     return p
