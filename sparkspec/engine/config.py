@@ -23,6 +23,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: memory_fraction, else max_num_seqs x max_model_len
     memory_fraction: float | None = None
+    enable_prefix_caching: bool = True  # share cached prompt prefixes across requests (engine/block_manager.py)
     # speculation
     speculative: SpecMethod = "none"
     num_spec_tokens: int | None = None  # None: the drafter's natural length (DSpark block size, MTP layers, 4)

@@ -11,6 +11,14 @@ When a running sequence cannot get the blocks it needs, the youngest running seq
 blocks and caches are dropped and it goes back to the front of the queue; it is recomputed later (prompt and
 the tokens it has produced so far; nothing it produced is lost). A request that could not fit even alone is
 refused by `add` with a message, so preemption always makes progress.
+
+Prefix caching (`BlockManager.lookup`, see block_manager.py for what a hit may cover): a sequence being admitted
+(new, or rejoining after preemption) first takes the longest cached prefix of its tokens, then prefills from
+there (`num_cached_tokens` = the hit). Its blocks are registered a whole group at a time after the steps that
+commit them, and when it leaves (finished, aborted, preempted), so that later requests and its own recompute
+find them. A sequence that would gain a longer hit from a prefill under way (another sample of the same request,
+a shared system prompt) waits for it rather than computing the same prefix twice. Requests that ask for
+prompt logprobs take no hit (their prompt must be scored).
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_queried_tokens: int = 0  # prefix cache: tokens of the requests admitted for the first time this step
+    num_hit_tokens: int = 0  # ... and those of them found in the cache (not computed)
 
     @property
     def is_empty(self) -> bool:
@@ -77,6 +87,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first, youngest last
         self.num_preemptions = 0
+        self.num_prefix_queried_tokens = 0  # prefix cache, since start: tokens of first admissions
+        self.num_prefix_hit_tokens = 0  # ... found in the cache
 
     # ---- requests in and out ----
     def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -156,14 +168,29 @@ class Scheduler:
                 i += 1
                 continue
             break
+        caching = bm.enable_prefix_caching
         while self.waiting and not out.preempted and len(self.running) < c.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n < seq.num_uncomputed_tokens and not c.enable_chunked_prefill and not seq.output_ids:
+            hit, hit_blocks = 0, []
+            if caching and getattr(seq.params, "prompt_logprobs", None) is None:
+                hit, hit_blocks = bm.lookup(seq)
+                if bm.will_cover(seq, self.running):
+                    break  # a running prefill is computing more of its prefix: take it next step
+            uncomputed = seq.num_tokens - hit
+            n = min(uncomputed, budget)
+            if n < uncomputed and not c.enable_chunked_prefill and not seq.output_ids:
                 break  # (a recompute after preemption is always chunked: it may exceed the budget)
-            if not bm.can_allocate(seq, seq.num_tokens):
+            if not bm.can_allocate(seq, seq.num_tokens, hit_blocks):
                 break
             self.waiting.popleft()
+            if caching:
+                bm.take(seq, hit_blocks)
+                seq.num_cached_tokens = hit
+                if not seq.num_preemptions:
+                    out.num_queried_tokens += seq.num_tokens
+                    out.num_hit_tokens += hit
+                    self.num_prefix_queried_tokens += seq.num_tokens
+                    self.num_prefix_hit_tokens += hit
             bm.allocate(seq, seq.num_cached_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -182,7 +209,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Give back the sequence's blocks (its rows in every pool)."""
+        """Give back the sequence's blocks (its rows in every pool); those of its committed groups stay cached
+        (not those of a request that failed: its rows may not be finite)."""
+        if seq.finish_reason != "error":
+            self.block_manager.register(seq)
         self.block_manager.free(seq)
 
     def release_after_step(self) -> list[Sequence]:
@@ -195,9 +225,13 @@ class Scheduler:
             for seq in finished:
                 self.release(seq)
         bs, extra = bm.block_size, bm.blocks_per_seq
+        G, registered = bm.granularity, bm.num_registered
+        caching = bm.enable_prefix_caching
         for seq in self.running:  # blocks_for inlined: this runs for every running sequence every step
             if len(seq.block_ids) > -(-seq.num_tokens // bs) + extra:
                 bm.trim(seq, seq.num_tokens)
+            if caching and seq.num_cached_tokens >= registered.get(seq.seq_id, 0) + G:  # a group completed
+                bm.register(seq)
         return finished
 
     # ---- stats ----
