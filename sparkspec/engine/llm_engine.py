@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparkspec.engine.block_manager import BlockManager
+from sparkspec.engine.block_manager import BlockManager, hit_granularity
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.kv_plan import KVCachePlan, plan_kv_cache
 from sparkspec.engine.model_runner import ModelRunner
@@ -75,6 +75,8 @@ class EngineStats:
     num_decode_rows: int = 0
     num_drafter_skipped_steps: int = 0  # steps where the budget planned no drafts at all
     num_grammar_redrawn: int = 0  # sampled drafts a response_format grammar refused, redrawn from their masked q
+    num_prefix_cache_queries: int = 0  # prompt tokens of admitted requests looked up in the prefix cache
+    num_prefix_cache_hits: int = 0  # ... of them found there (not computed)
     spec: SpecMetrics = field(default_factory=SpecMetrics)  # every request's verify steps, pooled
 
     @property
@@ -128,7 +130,10 @@ class LLMEngine:
         if self.runner.device.type == "cuda" and not config.enforce_eager:  # HIP builds report "cuda" too
             self.runner.use_graphs(config.max_num_seqs, self.max_model_len, num_lookahead,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
-        bm = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size)
+        bm = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size,  # prefix hits: see block_manager.py
+                          enable_prefix_caching=config.enable_prefix_caching,
+                          granularity=hit_granularity(self.kv_plan.block_size, model.compress_ratios),
+                          key_next_token=self.spec is not None and self.spec.proposer.needs_final_streams)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens,
                                                                          1 + num_lookahead),
@@ -225,6 +230,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> free -> emit."""
         sched = self.scheduler.schedule()
+        self.stats.num_prefix_cache_queries += sched.num_queried_tokens
+        self.stats.num_prefix_cache_hits += sched.num_hit_tokens
         if sched.is_empty:
             return []
         items = sched.scheduled
