@@ -133,7 +133,72 @@ class ModelRunner:
         tokens were not sampled) are added to `logits_rows`; both ride in the step's one copy.
 
         Structured output (`token_masks`; such steps run eagerly too): the verified rows of those requests get
-        -inf outside their grammar's mask before the sampler, in a second host->device copy (the bitmasks)."""
+        -inf outside their grammar's mask before the sampler, in a second host->device copy (the bitmasks).
+
+        A step that mixes decode rows with prompt chunks (a request joins while others decode) runs as two parts
+        where graphs are captured (`split_mixed`): the decode / verify rows as their graph, the prompt chunks
+        after them (one request's prompt as its prefill graph, else eagerly)."""
+        if self.graphs is not None:
+            groups = self.split_mixed(items)
+            if groups is not None:
+                return self.execute_split(groups, items, drafts, draft_probs, draft_rows, num_next_drafts,
+                                          token_masks)
+        return self.execute_one(items, drafts, draft_probs, draft_rows, num_next_drafts, token_masks)
+
+    @staticmethod
+    def split_mixed(items: list[ScheduledSeq]) -> tuple[list[int], list[int]] | None:
+        """(decode items, the others) of a step that has both, else None. Why: one prompt chunk in a step made
+        the whole step eager, and an eager DSpark step (target, sampler and drafter as separate launches) cost
+        ~20x its graph on the H200 demo pair; in a closed loop a request joins every few steps."""
+        decode = [i for i, it in enumerate(items) if it.num_tokens == 1 and it.samples]
+        if not decode or len(decode) == len(items):
+            return None
+        chosen = set(decode)
+        return decode, [i for i in range(len(items)) if i not in chosen]
+
+    def execute_split(self, groups: tuple[list[int], list[int]], items: list[ScheduledSeq],
+                      drafts: list[list[int]], draft_probs: torch.Tensor | None, draft_rows: list[int],
+                      num_next_drafts: int, token_masks: dict[int, torch.Tensor] | None) -> StepResult:
+        """Run each group of items as its own step, decode rows first, and merge the results as one step's.
+
+        The q rows: a part that proposes sampled drafts writes their q to `q_store` rows 0..S_part-1, and only
+        the first part (the decode rows) verifies drafts, reading the previous step's rows before it writes. So
+        each part's new rows are copied aside once it has run (a device copy; nothing waits), and laid out at
+        the end at their places in the merged order of sampling requests (parts in order): row = the request's
+        place among the whole step's sampling requests, as for one step. The parts' tokens do not depend on
+        each other: they touch different requests, whose caches and drafter rows are disjoint."""
+        rows, draft_row, prompt_lps = {}, {}, {}
+        saved: list[tuple[int, torch.Tensor]] = []  # (first merged row, the part's q rows [S_part, k, V])
+        num_sampled, any_q = 0, False
+        for group in groups:
+            masks = None
+            if token_masks is not None:
+                masks = {j: token_masks[i] for j, i in enumerate(group) if i in token_masks} or None
+            res = self.execute_one([items[i] for i in group], [drafts[i] for i in group], draft_probs,
+                                   [draft_rows[i] for i in group], num_next_drafts, masks)
+            for j, i in enumerate(group):
+                if j in res.rows:
+                    rows[i] = res.rows[j]
+                if j in res.prompt_logprobs:
+                    prompt_lps[i] = res.prompt_logprobs[j]
+            sampled = [j for j in range(len(group)) if j in res.rows]
+            if res.draft_probs is not None:
+                any_q = True
+                saved.append((num_sampled, self.q_store[: len(sampled)].clone()))
+                for j in sampled:
+                    draft_row[group[j]] = num_sampled + res.draft_row[j]
+            else:
+                for j in sampled:
+                    draft_row[group[j]] = -1  # no q: one-hot (greedy drafts)
+            num_sampled += len(sampled)
+        for start, q in saved:
+            self.q_store[start : start + q.shape[0]].copy_(q)
+        return StepResult(rows, self.q_store if any_q else None, draft_row, prompt_lps)
+
+    def execute_one(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_probs: torch.Tensor | None,
+                    draft_rows: list[int], num_next_drafts: int,
+                    token_masks: dict[int, torch.Tensor] | None = None) -> StepResult:
+        """One step as one forward: its graph, or eagerly."""
         p = self.plan(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts,
                       token_masks is not None)
         down = Download()
