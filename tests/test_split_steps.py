@@ -106,7 +106,10 @@ def test_split_mixed_groups():
         s.num_cached_tokens = cached
         return ScheduledSeq(s, n)
 
-    decode, chunk, last = item(5, 4, 1), item(30, 0, 10), item(30, 20, 10)
-    assert ModelRunner.split_mixed([decode, chunk, decode, last]) == ([0, 2], [1, 3])
-    assert ModelRunner.split_mixed([decode, decode]) is None  # all decode rows: one graph step
-    assert ModelRunner.split_mixed([chunk, last]) is None  # prompts only: one step
+    decode, chunk, last, short = item(5, 4, 1), item(30, 0, 10), item(30, 20, 10), item(8, 0, 8)
+    split = ModelRunner.split_mixed
+    assert split([decode, chunk, decode, last]) == [[0, 2], [1, 3]]  # no prefill graphs: prompts together
+    assert split([decode, chunk, decode, last, short], 16) == [[0, 2], [3], [4], [1]]  # a chunk never samples
+    assert split([decode, decode], 16) is None  # all decode rows: one graph step
+    assert split([chunk, last]) is None and split([last], 16) is None  # one part
+    assert split([short, last], 16) == [[0], [1]]

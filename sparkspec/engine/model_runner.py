@@ -135,28 +135,36 @@ class ModelRunner:
         Structured output (`token_masks`; such steps run eagerly too): the verified rows of those requests get
         -inf outside their grammar's mask before the sampler, in a second host->device copy (the bitmasks).
 
-        A step that mixes decode rows with prompt chunks (a request joins while others decode) runs as two parts
-        where graphs are captured (`split_mixed`): the decode / verify rows as their graph, the prompt chunks
-        after them (one request's prompt as its prefill graph, else eagerly)."""
+        A step that mixes decode rows with prompt chunks (a request joins while others decode) runs in parts where
+        graphs are captured (`split_mixed`): the decode / verify rows as their graph, then each short prompt as
+        its one-request prefill graph, then any other chunks eagerly."""
         if self.graphs is not None:
-            groups = self.split_mixed(items)
+            groups = self.split_mixed(items, max(self.graphs.prefill_lens, default=0))
             if groups is not None:
                 return self.execute_split(groups, items, drafts, draft_probs, draft_rows, num_next_drafts,
                                           token_masks)
         return self.execute_one(items, drafts, draft_probs, draft_rows, num_next_drafts, token_masks)
 
     @staticmethod
-    def split_mixed(items: list[ScheduledSeq]) -> tuple[list[int], list[int]] | None:
-        """(decode items, the others) of a step that has both, else None. Why: one prompt chunk in a step made
-        the whole step eager, and an eager DSpark step (target, sampler and drafter as separate launches) cost
-        ~20x its graph on the H200 demo pair; in a closed loop a request joins every few steps."""
-        decode = [i for i, it in enumerate(items) if it.num_tokens == 1 and it.samples]
-        if not decode or len(decode) == len(items):
-            return None
-        chosen = set(decode)
-        return decode, [i for i in range(len(items)) if i not in chosen]
+    def split_mixed(items: list[ScheduledSeq], max_prefill_len: int = 0) -> list[list[int]] | None:
+        """The parts of a step that mixes decode rows with prompt chunks, or prefills several requests: the
+        decode rows (first: only they verify drafts), then each sampling prompt of at most `max_prefill_len`
+        tokens alone (a one-request prefill graph), then the other chunks together (eager). None: one part.
+        Why: one prompt chunk in a step made the whole step eager, and an eager DSpark step (target, sampler and
+        drafter as separate launches) cost ~20x its graph on the H200 demo pair; in a closed loop a request
+        joins every few steps."""
+        decode, alone, rest = [], [], []
+        for i, it in enumerate(items):
+            if it.num_tokens == 1 and it.samples:
+                decode.append(i)
+            elif it.samples and it.num_tokens <= max_prefill_len:
+                alone.append([i])
+            else:
+                rest.append(i)
+        parts = ([decode] if decode else []) + alone + ([rest] if rest else [])
+        return parts if len(parts) > 1 else None
 
-    def execute_split(self, groups: tuple[list[int], list[int]], items: list[ScheduledSeq],
+    def execute_split(self, groups: list[list[int]], items: list[ScheduledSeq],
                       drafts: list[list[int]], draft_probs: torch.Tensor | None, draft_rows: list[int],
                       num_next_drafts: int, token_masks: dict[int, torch.Tensor] | None) -> StepResult:
         """Run each group of items as its own step, decode rows first, and merge the results as one step's.
