@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FP8 / FP4 checkpoint weights: keep them quantised (FP8 GEMMs, FP4 experts), dequantize "
                    "them to --dtype, or auto (keep on GPUs, dequantize on CPU)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt from its first token (prefix caching is on by default)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (one per GPU, or gloo on CPU)")
     g.add_argument("--enable-expert-parallel", action="store_true",
@@ -184,7 +186,8 @@ def cmd_generate(args) -> int:
                         quantization=args.quantization, expert_parallel=args.enable_expert_parallel,
                         speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
                         spec_budget=args.spec_budget, max_num_seqs=min(len(prompts), 64),
-                        max_model_len=max(max_len, 2), enforce_eager=args.enforce_eager)
+                        max_model_len=max(max_len, 2), enforce_eager=args.enforce_eager,
+                        enable_prefix_caching=args.enable_prefix_caching)
         t0 = time.perf_counter()
         outs = llm.generate([ids for _, ids in prompts], params)
     except ValueError as e:

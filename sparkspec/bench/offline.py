@@ -113,7 +113,8 @@ def run_offline(args) -> list[dict]:
         engine = build_llm(ckpt, speculative=setting.method, spec_budget=setting.budget,
                            num_spec_tokens=setting.num_spec_tokens, max_num_seqs=max(concurrencies),
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           enforce_eager=args.enforce_eager).engine
+                           enforce_eager=args.enforce_eager,
+                           enable_prefix_caching=args.enable_prefix_caching).engine
         engine.emit_unfinished = False  # the loop reads finished requests only, as `LLM.generate` does
         startup = time.perf_counter() - t0
         engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -123,8 +124,11 @@ def run_offline(args) -> list[dict]:
             # untimed: c short requests compile the kernels of this batch size (Triton JIT per new shape)
             engine.generate([prompt_ids[i % len(prompt_ids)] for i in range(c)],
                             SamplingParams(max_tokens=k + 4, ignore_eos=True))
+            queried, hit = engine.stats.num_prefix_cache_queries, engine.stats.num_prefix_cache_hits
             r = run_level(engine, prompt_ids, c, n, params, setting.method, k, args.profile_host)
             row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
+            queried = engine.stats.num_prefix_cache_queries - queried  # this level's prompt tokens: the share
+            row["prefix_cache_hit_rate"] = round((engine.stats.num_prefix_cache_hits - hit) / max(queried, 1), 4)
             row["engine_startup_s"] = round(startup, 2)
             extra = ""
             if "host_profile" in r:
@@ -156,6 +160,8 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt from its first token (prefix caching is on by default)")
     p.add_argument("--profile-host", action="store_true",
                    help="time the engine's step pieces: host us per step / per request, device-busy fraction")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
@@ -170,7 +176,8 @@ def cmd_offline(args) -> int:
     rows = run_offline(args)
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
-            "temperature": args.temperature, "profile_host": bool(args.profile_host)}
+            "temperature": args.temperature, "profile_host": bool(args.profile_host),
+            "enable_prefix_caching": args.enable_prefix_caching}
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:

@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "them to --dtype, or auto (keep on GPUs, dequantize on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA / HIP graphs (by default decode and verify steps replay captured graphs on a GPU)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt from its first token (prefix caching is on by default)")
 
 
 def engine_kwargs(args) -> dict:
@@ -49,7 +51,8 @@ def engine_kwargs(args) -> dict:
         max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
         memory_fraction=args.kv_cache_fraction, enforce_eager=args.enforce_eager, device=args.device,
-        dtype=args.dtype, quantization=getattr(args, "quantization", "auto"))
+        dtype=args.dtype, quantization=getattr(args, "quantization", "auto"),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
 
 
 def build_engine(args, **extra):
