@@ -147,9 +147,9 @@ class ModelRunner:
 
     @staticmethod
     def split_mixed(items: list[ScheduledSeq], max_prefill_len: int = 0) -> list[list[int]] | None:
-        """The parts of a step that mixes decode rows with prompt chunks, or prefills several requests: the
-        decode rows (first: only they verify drafts), then each sampling prompt of at most `max_prefill_len`
-        tokens alone (a one-request prefill graph), then the other chunks together (eager). None: one part.
+        """The parts of a step that mixes decode rows with prompt chunks: the decode rows (first: only they verify
+        drafts), then each sampling prompt of at most `max_prefill_len` tokens alone (a one-request prefill
+        graph), then the other chunks together (eager). None: one part (decode rows only, or prompts only).
         Why: one prompt chunk in a step made the whole step eager, and an eager DSpark step (target, sampler and
         drafter as separate launches) cost ~20x its graph on the H200 demo pair; in a closed loop a request
         joins every few steps."""
@@ -161,8 +161,9 @@ class ModelRunner:
                 alone.append([i])
             else:
                 rest.append(i)
-        parts = ([decode] if decode else []) + alone + ([rest] if rest else [])
-        return parts if len(parts) > 1 else None
+        if not decode or not (alone or rest):
+            return None  # a step of prompts only stays one step (its own eager forward or prefill graph)
+        return [decode] + alone + ([rest] if rest else [])
 
     def execute_split(self, groups: list[list[int]], items: list[ScheduledSeq],
                       drafts: list[list[int]], draft_probs: torch.Tensor | None, draft_rows: list[int],
