@@ -5,6 +5,7 @@ same seeded tokens for none / DSpark / MTP / n-gram. Synthetic parts are determi
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -323,3 +324,18 @@ def test_demo_seeded_tokens_do_not_depend_on_the_batch_or_n(demo):
     assert crowd[0].token_ids == alone
     samples = llm.generate([ids[0]], SP(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True, n=3))[0].outputs
     assert samples[0].token_ids == alone and samples[1].token_ids != alone
+
+
+def test_generate_flag_sampling_scheme(capsys):
+    """generate --sampling-scheme gumbel: DSpark's seeded text equals plain decoding's."""
+    from sparkspec.cli import main
+
+    def run(*flags) -> list:
+        assert main(["generate", "--prompt", "Tell me a story.", "--prompt", "def add(a, b):", "--max-tokens", "24",
+                     "--temperature", "1", "--seed", "4", "--device", "cpu", "--json", *flags]) == 0
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        return [json.loads(line)["text"] for line in lines]
+
+    plain = run("--spec", "none", "--sampling-scheme", "gumbel")
+    assert len(plain) == 2 and run("--spec", "dspark", "--sampling-scheme", "gumbel") == plain
+    assert run("--spec", "none") != plain

@@ -9,6 +9,8 @@ from sparkspec.spec_decode.methods import SPEC_METHODS, SpecMethod
 
 SamplingScheme = Literal["rejection", "gumbel"]
 SAMPLING_SCHEMES: tuple[str, ...] = ("rejection", "gumbel")
+SAMPLING_SCHEME_HELP = ("rejection (the default: Leviathan et al.) or gumbel: Gumbel-max with noise keyed by seed and "
+                        "position, the same tokens whatever the drafter, k or the batch")
 
 
 @dataclass

@@ -14,6 +14,8 @@ import sys
 import threading
 from pathlib import Path
 
+from sparkspec.engine.config import SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags of `serve` (`engine_kwargs` turns them into `build_llm`'s keywords)."""
@@ -39,6 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA / HIP graphs (by default decode and verify steps replay captured graphs on a GPU)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token (prefix caching is on by default)")
+    p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="rejection", help=SAMPLING_SCHEME_HELP)
 
 
 def engine_kwargs(args) -> dict:
@@ -52,7 +55,8 @@ def engine_kwargs(args) -> dict:
         kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
         memory_fraction=args.kv_cache_fraction, enforce_eager=args.enforce_eager, device=args.device,
         dtype=args.dtype, quantization=getattr(args, "quantization", "auto"),
-        enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        sampling_scheme=getattr(args, "sampling_scheme", "rejection"))
 
 
 def build_engine(args, **extra):
