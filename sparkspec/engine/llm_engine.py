@@ -462,6 +462,7 @@ class LLMEngine:
         sp = seq.spec.metrics
         metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
                    "finish_time": seq.finish_time, "num_preemptions": seq.num_preemptions,
+                   "num_cached_prompt_tokens": seq.num_prefix_hit_tokens,
                    "spec_steps": sp.num_steps, "spec_drafted": sp.num_draft_tokens,
                    "spec_accepted": sp.num_accepted_tokens,
                    "spec_accepted_per_position": list(sp.accepted_per_position)}

@@ -187,6 +187,7 @@ class Scheduler:
                 bm.take(seq, hit_blocks)
                 seq.num_cached_tokens = hit
                 if not seq.num_preemptions:
+                    seq.num_prefix_hit_tokens = hit
                     out.num_queried_tokens += seq.num_tokens
                     out.num_hit_tokens += hit
                     self.num_prefix_queried_tokens += seq.num_tokens

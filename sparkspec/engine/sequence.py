@@ -62,6 +62,7 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # why it failed (finish_reason 'error')
     num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0  # prompt positions its first admission found in the prefix cache (not computed)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

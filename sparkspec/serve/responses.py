@@ -36,8 +36,12 @@ class ChoiceState:
 
 
 def usage(num_prompt: int, outs) -> dict:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache held (the first
+    choice's: the samples of one request share its prompt)."""
     n_out = sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": num_prompt, "completion_tokens": n_out, "total_tokens": num_prompt + n_out}
+    cached = outs[0].metrics.get("num_cached_prompt_tokens", 0) if outs and outs[0].metrics else 0
+    return {"prompt_tokens": num_prompt, "completion_tokens": n_out, "total_tokens": num_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class View:
