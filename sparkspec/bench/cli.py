@@ -1,4 +1,4 @@
-"""`sparkspec bench serve | offline | latency | grammar`."""
+"""`sparkspec bench serve | offline | latency | grammar | prefix`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 from sparkspec.bench.grammar import add_grammar_parser
 from sparkspec.bench.latency import add_latency_parser
 from sparkspec.bench.offline import add_offline_parser
+from sparkspec.bench.prefix import add_prefix_parser
 from sparkspec.bench.serve import add_serve_bench_parser
 
 
@@ -17,4 +18,5 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_offline_parser(sub)
     add_latency_parser(sub)
     add_grammar_parser(sub)
+    add_prefix_parser(sub)
     return p
