@@ -69,6 +69,7 @@ class AsyncLLMEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and _num_pending
+        self._grammar_lock = threading.Lock()  # guards building the grammar backend (compile_grammar)
         self._num_pending = 0  # queued commands not yet seen by the engine thread
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -111,6 +112,17 @@ class AsyncLLMEngine:
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Prompt token ids: text is tokenised with BOS; ids are checked against the vocabulary (ValueError)."""
         return self.engine.encode_prompt(prompt)
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (ValueError naming the field if xgrammar refuses it) into the engine's
+        cache, in the calling thread: the server calls it from a worker thread, since a compile can take a second
+        and the backend's first build several (xgrammar releases the GIL meanwhile); `check` on the event loop
+        and `add_request` on the engine thread then find it cached. Thread-safe."""
+        if params.structured is None:
+            return
+        with self._grammar_lock:  # one backend, however many threads ask for the first one at once
+            backend = self.engine.grammars()
+        backend.compile(params.structured)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """ValueError for a request that can never run; QueueFullError when the queue is full."""

@@ -92,6 +92,16 @@ def sampling_params(req, engine: AsyncLLMEngine, settings: ServerSettings, promp
     return req.sampling_params(default, req.num_spec_tokens(engine.info.num_spec_tokens))
 
 
+def compile_grammar(engine: AsyncLLMEngine, params: SamplingParams) -> None:
+    """Compile a structured request's grammar here, in the worker thread, so that `admit` on the event loop finds
+    it cached: a large grammar takes a second to compile (the first one also builds the backend, seconds), which
+    on the loop would stall every stream and /health."""
+    try:
+        engine.compile_grammar(params)
+    except ValueError as e:
+        raise from_engine(e, str(e).split(":")[0]) from None
+
+
 def prepare_completion(engine: AsyncLLMEngine, settings: ServerSettings, raw: bytes):
     """-> (request, prompt ids, params, prompt text). The prompt is text (BOS added, special-token text parsed,
     as vLLM does) or token ids (checked against the vocabulary)."""
@@ -108,7 +118,9 @@ def prepare_completion(engine: AsyncLLMEngine, settings: ServerSettings, raw: by
     except ValueError as e:
         raise RequestError(str(e), "prompt") from None
     text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids) if tokenizer is not None else ""
-    return req, prompt_ids, sampling_params(req, engine, settings, prompt_ids), text
+    params = sampling_params(req, engine, settings, prompt_ids)
+    compile_grammar(engine, params)
+    return req, prompt_ids, params, text
 
 
 def prepare_chat(engine: AsyncLLMEngine, settings: ServerSettings, raw: bytes
@@ -122,6 +134,7 @@ def prepare_chat(engine: AsyncLLMEngine, settings: ServerSettings, raw: bytes
     params = sampling_params(req, engine, settings, prompt_ids)
     if output is not None and output.structured is not None:  # a forced tool call: its grammar
         params = replace(params, structured=output.structured)
+    compile_grammar(engine, params)
     return req, prompt_ids, params, output
 
 
