@@ -336,3 +336,55 @@ def test_server_bad_structured_outputs_is_400(client, so, field):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}],
                                        extra_body={"structured_outputs": so})
     assert e.value.body["param"] == field, e.value.body
+
+
+def test_masks_are_made_after_the_forward_is_launched(engines):
+    """The verify masks (the costly host part) are made when the runner reads them, after it launched the step's
+    forward (on a GPU the host makes them while the device runs); the tokens are those of the eager masks."""
+    from sparkspec.engine import grammar as grammar_module
+
+    eng = engines["dspark"]
+    events, forward, step = [], eng.runner.forward, eng.step
+    real_row_masks = grammar_module.RequestGrammar.row_masks
+
+    def traced_step():
+        events.append("step")
+        return step()
+
+    def traced_forward(p):
+        events.append("forward")
+        return forward(p)
+
+    def traced_row_masks(self, drafts):
+        events.append("masks")
+        return real_row_masks(self, drafts)
+
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured=FMT)
+    want = eng.generate(PROMPTS[:2], params)
+    eng.runner.forward, eng.step = traced_forward, traced_step
+    grammar_module.RequestGrammar.row_masks = traced_row_masks
+    try:
+        got = eng.generate(PROMPTS[:2], params)
+    finally:
+        eng.runner.forward = forward
+        del eng.step  # the class's method again
+        grammar_module.RequestGrammar.row_masks = real_row_masks
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    steps = " ".join(events).split("step")[1:]  # each step's events, in order
+    assert sum("masks" in s for s in steps) >= 10  # structured steps made masks ...
+    for s in steps:  # ... always after that step's forward
+        if "masks" in s:
+            assert s.index("forward") < s.index("masks"), s
+
+
+def test_lazy_masks_subset():
+    from sparkspec.engine.grammar import LazyMasks
+
+    calls = []
+    lazy = LazyMasks(lambda: calls.append(1) or {2: "a", 5: "b"}, [2, 5])
+    part = lazy.subset([5, 7, 2])
+    assert list(part) == [0, 2] and not calls and not lazy.is_made
+    assert part[0] == "b" and part[2] == "a" and lazy[2] == "a" and calls == [1]  # made once, shared
+    assert lazy.subset([1, 3]) is None
+    with pytest.raises(KeyError):
+        part[1]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -110,22 +110,31 @@ class RequestGrammar:
     def verify_masks(self, drafts: list[int], cut_refused: bool,
                      redraw: Callable[[int, torch.Tensor], int | None] | None = None
                      ) -> tuple[list[int], torch.Tensor, int]:
-        """-> (the drafts to verify, bitmask [n + 1, W] int32 of their rows, number of drafts redrawn).
-        `cut_refused`: drop the drafts from the first refused one on (deterministic drafts); else `redraw(i,
-        mask of row i)` gives a replacement for refused d_i (None: keep it; rows past it then allow everything).
-        See the module docstring. The matcher ends where it started."""
+        """-> (the drafts to verify, bitmask [n + 1, W] int32 of their rows, number of drafts redrawn):
+        `check_drafts` then `row_masks`. See the module docstring. The matcher ends where it started."""
+        drafts, num_redrawn = self.check_drafts(drafts, cut_refused, redraw)
+        return drafts, self.row_masks(drafts), num_redrawn
+
+    def check_drafts(self, drafts: list[int], cut_refused: bool,
+                     redraw: Callable[[int, torch.Tensor], int | None] | None = None) -> tuple[list[int], int]:
+        """-> (the drafts to verify, number redrawn), walking them through the matcher without making masks
+        (cheap: a mask is made only for a refused draft that `redraw` replaces). `cut_refused`: drop the drafts
+        from the first refused one on (deterministic drafts); else `redraw(i, mask of row i [W])` gives a
+        replacement for a refused d_i (None: keep it; the walk stops there). The matcher ends where it started."""
         drafts = list(drafts)
-        masks = torch.full((len(drafts) + 1, self.num_words), -1, dtype=torch.int32)  # -1: every bit set
-        self.matcher.fill_next_token_bitmask(masks, 0)
         accepted = num_redrawn = 0
         for i, d in enumerate(drafts):
             if self.matcher.is_terminated():  # after a stop token nothing is read
                 break
             if not self.matcher.accept_token(d):
                 if cut_refused:
-                    drafts, masks = drafts[:i], masks[: i + 1]
+                    drafts = drafts[:i]
                     break
-                new = redraw(i, masks[i]) if redraw is not None else None
+                new = None
+                if redraw is not None:
+                    row = torch.full((1, self.num_words), -1, dtype=torch.int32)
+                    self.matcher.fill_next_token_bitmask(row, 0)
+                    new = redraw(i, row[0])
                 if new is None:
                     break
                 ok = self.matcher.accept_token(new)
@@ -133,11 +142,65 @@ class RequestGrammar:
                 drafts[i] = new
                 num_redrawn += 1
             accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return drafts, num_redrawn
+
+    def row_masks(self, drafts: list[int]) -> torch.Tensor:
+        """-> bitmask [n + 1, W] int32 of the rows that verify `drafts` (as `check_drafts` left them): row 0 from
+        the matcher's state, row i + 1 after d_0..d_i; rows past a refused draft or a stop token allow everything
+        (they cannot be reached). The matcher ends where it started. This is the costly part (a mask walks the
+        vocabulary): `LazyMasks` makes it run while the device computes the step's forward."""
+        masks = torch.full((len(drafts) + 1, self.num_words), -1, dtype=torch.int32)  # -1: every bit set
+        self.matcher.fill_next_token_bitmask(masks, 0)
+        accepted = 0
+        for i, d in enumerate(drafts):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(d):
+                break
+            accepted += 1
             if not self.matcher.is_terminated():  # after a stop token nothing follows: the row is not read
                 self.matcher.fill_next_token_bitmask(masks, i + 1)
         if accepted:
             self.matcher.rollback(accepted)
-        return drafts, masks, num_redrawn
+        return masks
+
+
+class LazyMasks(Mapping):
+    """item -> its rows' bitmask [n + 1, W], made on first read: the keys (which items are structured) are known
+    when the step is packed, the masks are read by the runner only after it has launched the forward, so on a GPU
+    the host makes them while the device runs (on a CPU nothing changes). `subset(items)` is the same lazy
+    masks for a part of the step, renumbered 0.. (a split step's parts)."""
+
+    def __init__(self, make: Callable[[], dict[int, torch.Tensor]], keys, _index: dict[int, int] | None = None,
+                 _cache: dict | None = None):
+        self._make, self._keys = make, list(keys)
+        self._index = _index  # renumbered key -> the parent's key
+        self._cache = {} if _cache is None else _cache  # shared with subsets: masks are made once
+
+    def _all(self) -> dict[int, torch.Tensor]:
+        if "masks" not in self._cache:
+            self._cache["masks"] = self._make()
+        return self._cache["masks"]
+
+    def __getitem__(self, key: int) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._all()[key if self._index is None else self._index[key]]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def is_made(self) -> bool:
+        return "masks" in self._cache
+
+    def subset(self, items: list[int]) -> LazyMasks | None:
+        """The masks of `items` (parent keys), as keys 0..len(items)-1 in that order; None if none is structured."""
+        index = {j: i if self._index is None else self._index[i] for j, i in enumerate(items) if i in self._keys}
+        return LazyMasks(self._make, index, index, self._cache) if index else None
 
 
 KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",

@@ -13,6 +13,7 @@ import torch
 
 from sparkspec.engine.block_manager import BlockManager, hit_granularity
 from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.kv_plan import KVCachePlan, plan_kv_cache
 from sparkspec.engine.model_runner import ModelRunner
 from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -245,12 +246,13 @@ class LLMEngine:
         return self.emit(items, produced)
 
     def grammar_masks(self, items: list[ScheduledSeq], drafts: list[list[int]], rows: list[int]
-                      ) -> dict[int, torch.Tensor] | None:
+                      ) -> LazyMasks | None:
         """Token bitmasks of the verified rows of every structured request that samples this step (item -> [n+1, W]
-        int32). `drafts` is edited: deterministic drafts are cut at the first one the grammar refuses, refused
+        int32), made when the runner first reads them, after it has launched the step's forward (`LazyMasks`).
+        `drafts` is edited now: deterministic drafts are cut at the first one the grammar refuses, refused
         sampled drafts are redrawn from their masked q (`sparkspec.engine.grammar` says why both are lossless).
         None: no such request."""
-        masks = {}
+        structured = []
         for i, it in enumerate(items):
             grammar = it.seq.grammar
             if grammar is None or not it.samples:
@@ -258,9 +260,12 @@ class LLMEngine:
             sampled = rows[i] >= 0 and self.spec is not None and self.spec.draft_probs is not None \
                 and not it.seq.params.greedy  # an exact q sits in draft_probs row rows[i]
             redraw = self.grammar_redraw(it, rows[i]) if sampled else None
-            drafts[i], masks[i], num_redrawn = grammar.verify_masks(drafts[i], not sampled, redraw)
+            drafts[i], num_redrawn = grammar.check_drafts(drafts[i], not sampled, redraw)
             self.stats.num_grammar_redrawn += num_redrawn
-        return masks or None
+            structured.append(i)
+        if not structured:
+            return None
+        return LazyMasks(lambda: {i: items[i].seq.grammar.row_masks(drafts[i]) for i in structured}, structured)
 
     def grammar_redraw(self, it: ScheduledSeq, row: int):
         """-> redraw(i, mask) for the sampled drafts of `it`: a draw from q_i masked by the grammar and renormalised,

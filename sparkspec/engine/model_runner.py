@@ -15,11 +15,13 @@ steps run the same functions eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from sparkspec.engine.cuda_graphs import GraphKey
+from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.step_io import Download
@@ -122,7 +124,7 @@ class ModelRunner:
         draft_probs: torch.Tensor | None,  # the q of the previous step's drafts (`q_store`), or None (one-hot)
         draft_rows: list[int],  # per item: its row in draft_probs, -1 = one-hot q (greedy or host drafter)
         num_next_drafts: int,  # k for the device drafter at the end of this step (0 = do not draft)
-        token_masks: dict[int, torch.Tensor] | None = None,  # item -> [n+1, W] int32 grammar bitmask of its rows
+        token_masks: Mapping[int, torch.Tensor] | None = None,  # item -> [n+1, W] int32 grammar bitmask (LazyMasks)
     ) -> StepResult:
         """pack (host) -> forward -> accept -> draft -> the one copy back -> read. A decode / verify step replays
         the captured graph of all of it; other steps run the same functions eagerly.
@@ -133,7 +135,8 @@ class ModelRunner:
         tokens were not sampled) are added to `logits_rows`; both ride in the step's one copy.
 
         Structured output (`token_masks`; such steps run eagerly too): the verified rows of those requests get
-        -inf outside their grammar's mask before the sampler, in a second host->device copy (the bitmasks).
+        -inf outside their grammar's mask before the sampler, in a second host->device copy (the bitmasks). The
+        masks are read only once the forward is launched: `LazyMasks` makes them then, while the device runs.
 
         A step that mixes decode rows with prompt chunks (a request joins while others decode) runs in parts where
         graphs are captured (`split_mixed`): the decode / verify rows as their graph, then each short prompt as
@@ -167,7 +170,7 @@ class ModelRunner:
 
     def execute_split(self, groups: list[list[int]], items: list[ScheduledSeq],
                       drafts: list[list[int]], draft_probs: torch.Tensor | None, draft_rows: list[int],
-                      num_next_drafts: int, token_masks: dict[int, torch.Tensor] | None) -> StepResult:
+                      num_next_drafts: int, token_masks: Mapping[int, torch.Tensor] | None) -> StepResult:
         """Run each group of items as its own step, decode rows first, and merge the results as one step's.
 
         The q rows: a part that proposes sampled drafts writes their q to `q_store` rows 0..S_part-1, and only
@@ -181,7 +184,9 @@ class ModelRunner:
         num_sampled, any_q = 0, False
         for group in groups:
             masks = None
-            if token_masks is not None:
+            if isinstance(token_masks, LazyMasks):  # still unmade: each part makes them after its forward
+                masks = token_masks.subset(group)
+            elif token_masks is not None:
                 masks = {j: token_masks[i] for j, i in enumerate(group) if i in token_masks} or None
             res = self.execute_one([items[i] for i in group], [drafts[i] for i in group], draft_probs,
                                    [draft_rows[i] for i in group], num_next_drafts, masks)
@@ -206,7 +211,7 @@ class ModelRunner:
 
     def execute_one(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_probs: torch.Tensor | None,
                     draft_rows: list[int], num_next_drafts: int,
-                    token_masks: dict[int, torch.Tensor] | None = None) -> StepResult:
+                    token_masks: Mapping[int, torch.Tensor] | None = None) -> StepResult:
         """One step as one forward: its graph, or eagerly."""
         p = self.plan(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts,
                       token_masks is not None)
@@ -245,7 +250,7 @@ class ModelRunner:
         return down.fetch()
 
     @staticmethod
-    def bitmask_rows(p: PackedStep, token_masks: dict[int, torch.Tensor]) -> torch.Tensor:
+    def bitmask_rows(p: PackedStep, token_masks: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """-> [S, K+1, W] int32: each structured request's row masks, -1 (all allowed) everywhere else."""
         W = next(iter(token_masks.values())).shape[1]
         out = torch.full((len(p.sampling), p.K + 1, W), -1, dtype=torch.int32)
