@@ -102,6 +102,23 @@ def test_prefix_hits_shared_by_clients_half_of_whom_leave(server, path, prompt):
     assert_idle(server)
 
 
+def test_prefix_hits_with_leaving_clients_under_preemption():
+    """A KV cache of 125 blocks: 8 clients of a 37-block prompt, each asking 25 blocks more, cannot all run, so
+    sequences holding shared cached blocks are preempted and recomputed (taking the cache again) while others
+    leave; the clients that stay still get the reference, and no block is leaked."""
+    with demo_server(kv_cache_memory=16_000_000) as small:
+        path, body = "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 400, "temperature": 0,
+                                         "ignore_eos": True}
+        reference = stream(small.url, path, body)
+        for _ in range(2):
+            got = in_threads(*[lambda: stream(small.url, path, body)] * 5,
+                             *[lambda: leave_mid_stream(small.url, path, body)] * 3)
+            assert got[:5] == [reference] * 5
+        assert small.engine.scheduler.num_preemptions > 0
+        assert small.engine.stats.num_prefix_cache_hits > 0
+        assert_idle(small)
+
+
 def test_n4_on_a_shared_prompt_with_a_disconnect(server):
     body = {"prompt": LONG_PROMPT + " And then", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     one = stream(server.url, "/v1/completions", body)[0]
