@@ -221,12 +221,16 @@ SEEDED = [("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24, "
           ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 16, "temperature": 0.8, "top_p": 0.9, "seed": 3,
                                "ignore_eos": True}),
           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 20,
-                                    "temperature": 1.0, "top_k": 50, "seed": 11, "ignore_eos": True})]
+                                    "temperature": 1.0, "top_k": 50, "seed": 11, "ignore_eos": True}),
+          ("/v1/completions", {"prompt": "Write", "max_tokens": 40, "temperature": 1.0, "seed": 2,
+                               "structured_outputs": {"regex": "[a-z ]{10,60}\\."}})]
 
 
 def test_seeded_gumbel_streams_equal_their_references_under_load(gumbel_server):
     url = gumbel_server.url
     references = [stream(url, path, body) for path, body in SEEDED]  # alone on an idle server
+    # drafter-invariant: the same tokens without speculation
+    assert [stream(url, path, {**body, "speculative": {"enabled": False}}) for path, body in SEEDED] == references
     noise = [lambda i=i: stream(url, "/v1/completions", {"prompt": f"noise {i}", "max_tokens": 30 + 7 * i,
                                                          "temperature": 1.0, "ignore_eos": True}) for i in range(5)]
     leaving = [lambda: leave_mid_stream(url, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 400})] * 2
