@@ -37,6 +37,15 @@ def sampling_tensors(params: list[SamplingParams], device: torch.device | str,
     )
 
 
+def chi2_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:  # both [C]
+    """Pearson chi-square p-value; cells with zero expectation must be empty."""
+    assert counts[expected == 0].sum() == 0, "drew an event of probability 0"
+    keep = expected > 0
+    c, e = counts[keep].double(), expected[keep].double()
+    stat = ((c - e) ** 2 / e).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(e) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
 def sample_tokens(
     logits: torch.Tensor,  # [R, V]
     st: SamplingTensors,  # R rows

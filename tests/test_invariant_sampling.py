@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import chi2_pvalue
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparkspec.ops.rng import gumbel
@@ -38,13 +39,6 @@ def st_of(params: list[SP], seeds: torch.Tensor, gumbel: torch.Tensor | bool = T
         any(p.top_p < 1 for p in params), gumbel)
 
 
-def chi2_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:  # both [C]
-    """Pearson chi-square p-value; cells with zero expectation must be empty."""
-    assert counts[expected == 0].sum() == 0, "drew an event of probability 0"
-    keep = expected > 0
-    c, e = counts[keep].double(), expected[keep].double()
-    stat = ((c - e) ** 2 / e).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(e) - 1) / 2, dtype=torch.float64), stat / 2))
 
 
 # ---------------------------------------------------------------- the noise

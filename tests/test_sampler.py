@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from helpers import sample_tokens, sampling_tensors
+from helpers import chi2_pvalue, sample_tokens, sampling_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparkspec.ops.rng import philox, to_unit, uniform, uniform_at
@@ -22,13 +22,6 @@ DEVICE = torch.device(os.environ.get("SPARKSPEC_TEST_DEVICE", "cpu"))
 ALPHA = 1e-3
 
 
-def chi2_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:  # both [C]
-    """Pearson chi-square p-value; cells with zero expectation must be empty."""
-    assert counts[expected == 0].sum() == 0, "drew an event of probability 0"
-    keep = expected > 0
-    c, e = counts[keep].double(), expected[keep].double()
-    stat = ((c - e) ** 2 / e).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(e) - 1) / 2, dtype=torch.float64), stat / 2))
 
 
 def seeds_of(n: int, start: int = 0) -> torch.Tensor:
