@@ -171,14 +171,16 @@ def test_admission_takes_the_hit_and_prefills_from_it():
     sched = make(max_num_batched_tokens=64)
     a = seq(0, range(10, 31))  # 21 tokens
     sched.add(a)
+    outs = []
     while not a.is_finished:
-        run_step(sched)
+        outs.append(run_step(sched))
     b = seq(1, list(range(10, 28)) + [1, 2, 3])  # shares 18 tokens: hit 16
     sched.add(b)
     out = run_step(sched)
+    outs.append(out)
     assert [(s.seq, s.num_tokens) for s in out.scheduled] == [(b, 5)]
     assert (out.num_queried_tokens, out.num_hit_tokens) == (21, 16)
-    assert (sched.num_prefix_queried_tokens, sched.num_prefix_hit_tokens) == (42, 16)
+    assert (sum(o.num_queried_tokens for o in outs), sum(o.num_hit_tokens for o in outs)) == (42, 16)
 
 
 def test_samples_of_one_prompt_wait_for_the_first_prefill_then_share_it():
@@ -189,9 +191,11 @@ def test_samples_of_one_prompt_wait_for_the_first_prefill_then_share_it():
         sched.add(s)
     first = run_step(sched)
     assert [s.seq for s in first.scheduled] == [samples[0]]  # the others wait for its groups
+    outs = [first]
     while not all(s.is_finished for s in samples):
-        run_step(sched)
-    assert sched.num_prefix_hit_tokens == 2 * 16  # each later sample: 16 of its 20 tokens (the last computed)
+        outs.append(run_step(sched))
+    # each later sample: 16 of its 20 tokens (the last computed)
+    assert sum(o.num_hit_tokens for o in outs) == 2 * 16
     bm = sched.block_manager
     check_accounting(bm, [])
 

@@ -87,8 +87,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first, youngest last
         self.num_preemptions = 0
-        self.num_prefix_queried_tokens = 0  # prefix cache, since start: tokens of first admissions
-        self.num_prefix_hit_tokens = 0  # ... found in the cache
 
     # ---- requests in and out ----
     def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -190,8 +188,6 @@ class Scheduler:
                     seq.num_prefix_hit_tokens = hit
                     out.num_queried_tokens += seq.num_tokens
                     out.num_hit_tokens += hit
-                    self.num_prefix_queried_tokens += seq.num_tokens
-                    self.num_prefix_hit_tokens += hit
             bm.allocate(seq, seq.num_cached_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
