@@ -83,14 +83,22 @@ PROFILE_COLUMNS = [("host_us_per_step", "host us/step", "{:.0f}"), ("host_us_per
                    ("device_wait_frac", "dev wait", "{:.2f}"), ("device_busy_frac", "dev busy", "{:.2f}")]
 
 
+def table_head(names) -> str:
+    """A markdown table's header line and rule."""
+    names = list(names)
+    return "| " + " | ".join(names) + " |\n|" + "---|" * len(names)
+
+
+def table_row(cells) -> str:
+    """One markdown table row (cells shown with str)."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def format_table(rows: list[dict]) -> str:
     """A markdown table (times in ms; host columns in us)."""
     columns = COLUMNS + [c for c in PROFILE_COLUMNS if rows and all(c[0] in r for r in rows)]
-    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
-    sep = "|" + "|".join("---" for _ in columns) + "|"
-    lines = [head, sep]
-    for r in rows:
-        lines.append("| " + " | ".join(fmt.format(r[k]) for k, _, fmt in columns) + " |")
+    lines = [table_head(h for _, h, _ in columns)]
+    lines += [table_row(fmt.format(r[k]) for k, _, fmt in columns) for r in rows]
     return "\n".join(lines)
 
 

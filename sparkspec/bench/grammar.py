@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 
-from sparkspec.bench.common import write_json
+from sparkspec.bench.common import table_head, table_row, write_json
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
@@ -103,9 +103,9 @@ def main(args) -> int:
         return 2
     rows = run(args)
     cols = ["tokenizer", "vocab", "batch", "drafts", "ms_per_step", "us_per_request", "us_per_row", "compile_ms"]
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    print(table_head(cols))
     for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+        print(table_row(r[c] for c in cols))
     if args.json:
         write_json(args.json, rows, {"kind": "grammar", "schema": SCHEMA})
     return 0

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from sparkspec.bench.common import sync
+from sparkspec.bench.common import sync, table_head, table_row
 from sparkspec.config import CSA, ModelConfig
 from sparkspec.spec_decode.methods import SPEC_METHODS
 
@@ -367,9 +367,9 @@ def bench_rank(pg, args) -> list[dict]:
         if rank == 0:  # the kernel-group tables were printed by the profile; the JSON has them
             cells = [k for k, v in row.items() if not isinstance(v, dict)]
             if not rows:
-                print("| " + " | ".join(cells) + " |\n|" + "---|" * len(cells), flush=True)
+                print(table_head(cells), flush=True)
             for r in gathered:
-                print("| " + " | ".join(str(r.get(k)) for k in cells) + " |", flush=True)
+                print(table_row(r.get(k) for k in cells), flush=True)
         rows += gathered
         gc.collect()  # the batch's engine (KV pools, graphs) goes before the next one is built
         if device.type == "cuda":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from sparkspec.bench.common import write_json
+from sparkspec.bench.common import table_head, table_row, write_json
 
 
 def long_chat(tok, prefix_tokens: int) -> list[dict]:
@@ -79,9 +79,9 @@ def main(args) -> int:
     rows = run(args)
     cols = ["method", "prefix_caching", "turn1_tokens", "turn2_tokens", "shared_tokens", "turn2_cached_tokens",
             "ttft1_s", "ttft2_s", "ttft_ratio"]
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    print(table_head(cols))
     for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+        print(table_row(r[c] for c in cols))
     if args.json:
         write_json(args.json, rows, {"kind": "prefix", "model": args.model, "prefix_tokens": args.prefix_tokens})
     return 0
