@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from test_scheduler import run_step
 
 from sparkspec.engine.block_manager import BlockManager, hit_granularity
 from sparkspec.engine.scheduler import Scheduler, SchedulerConfig
@@ -147,21 +148,7 @@ def test_off_means_no_hits_and_no_registration():
     assert bm.num_free_blocks == 16 and not bm.evictable
 
 
-# ---- through the scheduler (a fake runner commits what is scheduled) ----
-def run_step(sched: Scheduler):
-    out = sched.schedule()
-    for s in out.scheduled:
-        sq = s.seq
-        reached_end = s.samples
-        sq.num_cached_tokens += s.num_tokens
-        if reached_end:
-            sq.output_ids.append(7)
-            if len(sq.output_ids) >= sq.params.max_tokens:
-                sq.finish("length")
-    sched.release_after_step()
-    return out
-
-
+# ---- through the scheduler (test_scheduler's fake runner commits what is scheduled) ----
 def make(num_blocks=64, block_size=2, granularity=4, **cfg) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size, enable_prefix_caching=True,
                                                           granularity=granularity))
