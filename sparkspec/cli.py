@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from sparkspec.engine.config import SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
+from sparkspec.engine.config import BATCH_INVARIANT_HELP, SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
 from sparkspec.paths import DEFAULT_MODEL
 from sparkspec.spec_decode.methods import SPEC_METHODS
 
@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token (prefix caching is on by default)")
     g.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="rejection", help=SAMPLING_SCHEME_HELP)
+    g.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (one per GPU, or gloo on CPU)")
     g.add_argument("--enable-expert-parallel", action="store_true",
@@ -189,7 +190,8 @@ def cmd_generate(args) -> int:
                         speculative=args.spec or "auto", num_spec_tokens=args.num_spec_tokens,
                         spec_budget=args.spec_budget, max_num_seqs=min(len(prompts), 64),
                         max_model_len=max(max_len, 2), enforce_eager=args.enforce_eager,
-                        enable_prefix_caching=args.enable_prefix_caching, sampling_scheme=args.sampling_scheme)
+                        enable_prefix_caching=args.enable_prefix_caching, sampling_scheme=args.sampling_scheme,
+                        batch_invariant=args.batch_invariant)
         t0 = time.perf_counter()
         outs = llm.generate([ids for _, ids in prompts], params)
     except ValueError as e:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from sparkspec.bench.common import sync, table_head, table_row
 from sparkspec.config import CSA, ModelConfig
+from sparkspec.engine.config import BATCH_INVARIANT_HELP
 from sparkspec.spec_decode.methods import SPEC_METHODS
 
 
@@ -309,6 +310,9 @@ def bench_rank(pg, args) -> list[dict]:
     import gc
 
     from sparkspec.bench.routing import RoutingProbe
+    from sparkspec.ops.batch_invariant import set_batch_invariant
+
+    set_batch_invariant(getattr(args, "batch_invariant", False))  # process-wide, before any engine is built
     from sparkspec.engine.lockstep import rank_device
 
     rank, world = (pg.rank, pg.world_size) if pg is not None else (0, 1)
@@ -432,6 +436,7 @@ def add_latency_parser(sub) -> argparse.ArgumentParser:
                         "quantised; dequantize: all in --dtype")
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
+    p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     p.add_argument("--profile", action="store_true", help="also profile 8 decode steps per batch size")
     p.add_argument("--json", default=None, help="write the rows here")
     p.set_defaults(func=cmd_latency)

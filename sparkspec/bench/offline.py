@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sparkspec.bench.common import RequestTiming, format_table, plot, require_plotting, summarize, write_json
 from sparkspec.bench.prompts import load_prompts
-from sparkspec.engine.config import SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
+from sparkspec.engine.config import BATCH_INVARIANT_HELP, SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
 from sparkspec.spec_decode.methods import SPEC_METHODS
 
 
@@ -116,7 +116,8 @@ def run_offline(args) -> list[dict]:
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enforce_eager=args.enforce_eager,
                            enable_prefix_caching=args.enable_prefix_caching,
-                           sampling_scheme=args.sampling_scheme).engine
+                           sampling_scheme=args.sampling_scheme,
+                           batch_invariant=getattr(args, "batch_invariant", False)).engine
         engine.emit_unfinished = False  # the loop reads finished requests only, as `LLM.generate` does
         startup = time.perf_counter() - t0
         engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -165,6 +166,7 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token (prefix caching is on by default)")
     p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="rejection", help=SAMPLING_SCHEME_HELP)
+    p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     p.add_argument("--profile-host", action="store_true",
                    help="time the engine's step pieces: host us per step / per request, device-busy fraction")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
@@ -180,7 +182,8 @@ def cmd_offline(args) -> int:
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
             "temperature": args.temperature, "profile_host": bool(args.profile_host),
-            "enable_prefix_caching": args.enable_prefix_caching, "sampling_scheme": args.sampling_scheme}
+            "enable_prefix_caching": args.enable_prefix_caching, "sampling_scheme": args.sampling_scheme,
+            "batch_invariant": bool(getattr(args, "batch_invariant", False))}
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:

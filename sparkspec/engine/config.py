@@ -37,6 +37,10 @@ class EngineConfig:
     sampling_scheme: SamplingScheme = "rejection"
     # execution
     enforce_eager: bool = False  # True: no CUDA / HIP graphs (they are captured for decode / verify steps otherwise)
+    # batch-invariant kernels (ops/batch_invariant.py): a request's tokens do not depend on the rows its steps share
+    # with other requests (fixed-tile GEMMs instead of cuBLAS, pinned norm / mHC / head / FP8 / MoE tiles); off by
+    # default until its cost is measured. Process-wide: `apply_batch_invariant(config)` sets it when an engine starts
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size"):
@@ -53,5 +57,18 @@ class EngineConfig:
             raise ValueError(f"spec_budget = {self.spec_budget!r}: expected 'adaptive' or 'fixed'")
         if self.sampling_scheme not in SAMPLING_SCHEMES:
             raise ValueError(f"sampling_scheme = {self.sampling_scheme!r}: expected one of {SAMPLING_SCHEMES}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant = {self.batch_invariant!r}: expected True or False")
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction = {self.memory_fraction!r}: expected a number in (0, 1]")
+
+
+BATCH_INVARIANT_HELP = ("batch-invariant kernels: a request's greedy tokens do not depend on its batch or on "
+                        "speculation (fixed-tile GEMMs instead of cuBLAS; slower, see README)")
+
+
+def apply_batch_invariant(config: EngineConfig) -> None:
+    """Set the process-wide batch-invariant mode from `config` (before the engine captures graphs or runs)."""
+    from sparkspec.ops.batch_invariant import set_batch_invariant
+
+    set_batch_invariant(config.batch_invariant)

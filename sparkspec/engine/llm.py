@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.config import EngineConfig, apply_batch_invariant
 from sparkspec.engine.llm_engine import LLMEngine, RequestOutput
 from sparkspec.sampling_params import SamplingParams
 
@@ -32,7 +32,7 @@ class LLM:
         share one model); `speculative`: none | dspark | mtp | ngram | auto; `parallel`: this process's
         `distributed.ParallelGroup` when the model is sharded over several (see `engine/lockstep.py`);
         other keywords go to `EngineConfig` (max_num_seqs, max_num_batched_tokens, max_model_len,
-        kv_cache_memory, block_size, ...)."""
+        kv_cache_memory, block_size, batch_invariant, ...)."""
         if isinstance(model, (str, Path)):
             from sparkspec.loading.checkpoint import load_checkpoint
 
@@ -45,6 +45,7 @@ class LLM:
             engine_kw.update(parallel_engine_kwargs(parallel, self.method, spec_budget))
         config = EngineConfig(speculative=self.method, num_spec_tokens=num_spec_tokens, spec_budget=spec_budget,
                               **engine_kw)
+        apply_batch_invariant(config)  # process-wide; before the engine runs or captures a graph
         engine_cls, extra = LLMEngine, {}
         if parallel is not None and parallel.world_size > 1:
             from sparkspec.distributed.tensor_parallel import shard_

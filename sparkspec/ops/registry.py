@@ -4,7 +4,9 @@ registered per backend (cuda, rocm, xpu). Models call `ops.<name>(...)` and neve
 The implementation is picked per call by the device of the op's first tensor argument, not by the machine:
 a CPU tensor runs the native op even on a GPU machine (`--device cpu`), a cuda tensor the cuda (or, on a HIP
 build, rocm) registration. The choice is cached per (op, device type), so dispatch costs a dict lookup.
-The native version is the test oracle.
+The native version is the test oracle. In batch-invariant mode (`set_batch_invariant`, see
+`sparkspec.ops.batch_invariant`) an op's `invariant` registration, where it has one, replaces its accelerated
+version: the same result for a row whatever the number of rows in the call.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ log = logging.getLogger("sparkspec.ops")
 
 _NATIVE: dict[str, Callable[..., Any]] = {}
 _ACCEL: dict[tuple[str, str], Callable[..., Any]] = {}  # (backend, op) -> impl
+_INVARIANT: dict[tuple[str, str], Callable[..., Any]] = {}  # (backend, op) -> batch-invariant impl
 
 
 def native(name: str):
@@ -45,6 +48,18 @@ def accelerated(name: str, *backends: str):
     return wrap
 
 
+def invariant(name: str, *backends: str):
+    """Register the batch-invariant implementation of op `name` for the given backends: used instead of the
+    `accelerated` one while the table's batch-invariant mode is on."""
+
+    def wrap(fn):
+        for b in backends:
+            _INVARIANT[(b, name)] = fn
+        return fn
+
+    return wrap
+
+
 def _device_type(args: tuple, kwargs: dict) -> str:
     """Device type of the first tensor argument (positional first); 'cpu' when there is none."""
     for a in args:
@@ -61,6 +76,7 @@ class OpTable:
 
     def __init__(self, use_native: bool = False):
         self.use_native = use_native
+        self.batch_invariant = False
         self.compiled: frozenset[str] = frozenset()
         self._impl: dict[tuple[str, str], Callable[..., Any]] = {}  # (op, device type) -> implementation
 
@@ -69,6 +85,11 @@ class OpTable:
         `compiled` run through torch.compile on accelerator tensors (CPU tensors keep the plain reference)."""
         self.use_native = use_native
         self.compiled = frozenset(compiled)
+        self._impl.clear()
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Prefer the `invariant` registrations on accelerators (`sparkspec.ops.batch_invariant`)."""
+        self.batch_invariant = bool(enabled)
         self._impl.clear()
 
     def resolve(self, name: str, device_type: str) -> Callable[..., Any]:
@@ -82,6 +103,8 @@ class OpTable:
             if backend != "native" and not self.use_native:
                 _load_kernels()
             fn = _NATIVE[name] if self.use_native else _ACCEL.get((backend, name), _NATIVE[name])
+            if self.batch_invariant and not self.use_native:
+                fn = _INVARIANT.get((backend, name), fn)
             if fn is _NATIVE[name] and name in self.compiled and device_type != "cpu":
                 fn = compiled_native(name)
             self._impl[(name, device_type)] = fn
@@ -179,7 +202,7 @@ def _load_all() -> None:
     if _loaded:
         return
     _loaded = True
-    from sparkspec.ops import attention, compressor, head, indices, mhc, moe, quant, rope, sampling  # noqa: F401
+    from sparkspec.ops import attention, batch_invariant, compressor, head, indices, mhc, moe, quant, rope, sampling  # noqa: F401
 
 
 def _load_kernels() -> None:

@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from sparkspec.engine.config import SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
+from sparkspec.engine.config import BATCH_INVARIANT_HELP, SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token (prefix caching is on by default)")
     p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="rejection", help=SAMPLING_SCHEME_HELP)
+    p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
 
 
 def engine_kwargs(args) -> dict:
@@ -56,7 +57,8 @@ def engine_kwargs(args) -> dict:
         memory_fraction=args.kv_cache_fraction, enforce_eager=args.enforce_eager, device=args.device,
         dtype=args.dtype, quantization=getattr(args, "quantization", "auto"),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-        sampling_scheme=getattr(args, "sampling_scheme", "rejection"))
+        sampling_scheme=getattr(args, "sampling_scheme", "rejection"),
+        batch_invariant=getattr(args, "batch_invariant", False))
 
 
 def build_engine(args, **extra):

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkspec.ops.batch_invariant import pinned
 from sparkspec.ops.registry import accelerated
 from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter, same_device
 
@@ -246,7 +247,9 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     block_m = max(next_pow2(num_mix), 16)
     token_blocks = triton.cdiv(T, _MIX_BLOCK_T)
     target_programs = 4 if interp else 256  # ~2 waves of a large GPU; the interpreter just exercises the split
-    splits = max(1, min(triton.cdiv(width, block_k), triton.cdiv(target_programs, token_blocks)))
+    # batch-invariant mode: the split (and so each token's order of partial sums) from the width only
+    per_split_blocks = 1 if pinned() else token_blocks
+    splits = max(1, min(triton.cdiv(width, block_k), triton.cdiv(target_programs, per_split_blocks)))
     chunk = triton.cdiv(triton.cdiv(width, splits), block_k) * block_k
     splits = triton.cdiv(width, chunk)
     part = torch.empty((splits, T, block_m), dtype=torch.float32, device=x.device)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkspec.ops.batch_invariant import pinned
 from sparkspec.ops.registry import accelerated
 from sparkspec.ops.triton_kernels.common import check, next_pow2, same_device
 
@@ -90,7 +91,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, rot
         check(same_device(x, weight), "rms_norm: x and weight must share a device")
         weight = weight if weight.is_contiguous() else weight.contiguous()
     block_f = next_pow2(F)
-    block_r = max(1, min(next_pow2(N), _MAX_TILE // block_f))
+    # rows per program from the row count, except in batch-invariant mode: the tile's shape decides how tl.sum
+    # splits a row's reduction over threads, so it must not depend on the batch
+    block_r = max(1, _MAX_TILE // block_f if pinned() else min(next_pow2(N), _MAX_TILE // block_f))
     _norm_rope_kernel[(triton.cdiv(N, block_r),)](
         x, weight if weight is not None else x, rot_real, out, N, F, rows_per_token, rope_start,
         float(eps or 0.0), BLOCK_R=block_r, BLOCK_F=block_f, NORM=eps is not None, HAS_WEIGHT=weight is not None,

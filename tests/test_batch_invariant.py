@@ -1,0 +1,196 @@
+"""Batch-invariant mode (`sparkspec.ops.batch_invariant`): the fixed-tile GEMM against its reference, a row's
+result bitwise the same inside batches of 1, 7, 64 and 333 rows, the aten GEMMs (F.linear, @, einsum, bmm)
+routed to it, the op table swapping in the invariant registrations, the pinned norm / mHC configs, and a tiny
+model giving the same greedy tokens with the mode on. On a CPU the kernels run in Triton's interpreter
+(TRITON_INTERPRET=1, set before triton is imported); the aten routing is then tested on the CPU dispatch key."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process
+
+triton = pytest.importorskip("triton")
+
+from sparkspec.ops import ops  # noqa: E402
+from sparkspec.ops.batch_invariant import CALLS, batch_invariant, matmul_reference, set_batch_invariant  # noqa: E402
+from sparkspec.ops.triton_kernels.batch_invariant import matmul_invariant  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KEYS = ("CUDA",) if DEVICE.type == "cuda" else ("CPU",)  # where the aten GEMMs are replaced in these tests
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 40, 72), (33, 17, 100), (64, 96, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matmul_matches_reference(M, N, K, dtype, bias):
+    x, w = rand(M, K, dtype=dtype), rand(N, K, dtype=dtype, seed=1)
+    b = rand(N, dtype=dtype, seed=2) if bias else None
+    got = matmul_invariant(x, w.t(), b)  # a linear: the weight [N, K] transposed
+    want = matmul_reference(x, w.t(), b)
+    assert got.dtype == dtype and got.shape == (M, N)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7  # bf16: one ulp of the one rounding
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 4)
+
+
+def test_batched_and_strided_operands():
+    a = rand(3, 20, 48).transpose(1, 2)  # [3, 48, 20] non-contiguous
+    b = rand(3, 36, 20, seed=1).transpose(1, 2)  # [3, 20, 36]
+    torch.testing.assert_close(matmul_invariant(a, b), matmul_reference(a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="do not chain"):
+        matmul_invariant(rand(4, 8), rand(9, 3))
+    with pytest.raises(ValueError, match="share a dtype"):
+        matmul_invariant(rand(4, 8), rand(8, 3, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_is_bitwise_the_same_in_any_batch(dtype):
+    """The claim of the kernel's docstring: a fixed BLOCK_K and one program per output tile make row m's sums
+    independent of M and of where m sits. The row goes to different positions (and row blocks) of batches of
+    1, 7, 64 and 333 rows of other data."""
+    K, N = 200, 70  # K not a multiple of BLOCK_K, N not of BLOCK_N
+    row, w = rand(1, K, dtype=dtype, seed=5), rand(N, K, dtype=dtype, seed=6)
+    alone = matmul_invariant(row, w.t())[0]
+    for M, at in ((1, 0), (7, 3), (64, 63), (333, 200)):
+        x = rand(M, K, dtype=dtype, seed=M)
+        x[at] = row[0]
+        assert torch.equal(matmul_invariant(x, w.t())[at], alone), (M, at)
+
+
+def test_aten_gemms_are_routed_in_the_mode():
+    """F.linear (with and without bias), @, torch.matmul on 3-D input, einsum and bmm all reach the invariant
+    kernel while the mode is on, and give its exact result; off again, nothing is routed."""
+    x, w, b = rand(5, 24), rand(12, 24, seed=1), rand(12, seed=2)
+    x3, g = rand(2, 5, 24, seed=3), rand(2, 24, 7, seed=4)
+    want_lin, want_bias = matmul_invariant(x, w.t()), matmul_invariant(x, w.t(), b)
+    want_bmm = matmul_invariant(x3, g)
+    before = dict(CALLS)
+    with batch_invariant(KEYS):
+        assert torch.equal(F.linear(x, w), want_lin)
+        assert torch.equal(F.linear(x, w, b), want_bias)
+        assert torch.equal(x @ w.t(), want_lin)
+        assert torch.equal(torch.matmul(x3, w.t())[1], matmul_invariant(x3[1], w.t()))  # folded to one mm
+        assert torch.equal(torch.einsum("bmk,bkn->bmn", x3, g), want_bmm)
+        assert torch.equal(torch.bmm(x3, g), want_bmm)
+        fp64 = x.double() @ w.double().t()  # a dtype the kernel does not take: the products-sum path
+        torch.testing.assert_close(fp64.float(), want_lin, rtol=1e-5, atol=1e-5)
+    routed = {k: CALLS[k] - before[k] for k in CALLS}
+    assert routed["mm"] >= 3 and routed["addmm"] >= 1 and routed["bmm"] >= 2, routed
+    after = dict(CALLS)
+    F.linear(x, w)
+    assert CALLS == after, "the mode must leave nothing registered once off"
+
+
+def test_op_table_swaps_in_the_invariant_versions():
+    """On an accelerator dispatch (resolved by name here, no GPU needed) the mode replaces the row-count-dependent
+    accelerated versions; CPU tensors keep the natives; off restores the usual ones."""
+    names = ("lm_head", "fp8_block_linear", "moe_experts")
+    usual = {n: ops.implementation(n, "cuda") for n in names}
+    try:
+        set_batch_invariant(True, dispatch_keys=())
+        for n in names:
+            assert ops.implementation(n, "cuda").endswith(f"batch_invariant.{n}_invariant"), n
+            assert ops.implementation(n, "cpu") == "native"
+        assert "rope" in ops.implementation("rms_norm", "cuda")  # pinned in place, not replaced
+    finally:
+        set_batch_invariant(False)
+    assert {n: ops.implementation(n, "cuda") for n in names} == usual
+
+
+def _rows_equal_across_batches(fn, make, sizes, at):
+    """fn(make(M)) for each M, with batch 1's row placed at `at`: that row's output must not change."""
+    base = make(1)
+    alone = fn(base)[0]
+    for M in sizes:
+        x = make(M).clone()
+        x[at % M] = base[0]
+        assert torch.equal(fn(x)[at % M], alone), M
+
+
+def test_pinned_rms_norm_and_mhc_rows_do_not_depend_on_the_batch():
+    from sparkspec.ops.triton_kernels.mhc import hc_head, mhc_pre
+    from sparkspec.ops.triton_kernels.rope import rms_norm
+
+    n, H = 2, 64
+    fn, base, scale = rand(2 * n + n * n, n * H, seed=7) * 0.1, rand(2 * n + n * n, seed=8), rand(3, seed=9)
+    w = rand(H, seed=10)
+    with batch_invariant(dispatch_keys=()):
+        _rows_equal_across_batches(lambda x: rms_norm(x, w, 1e-6), lambda M: rand(M, H, seed=M), [3, 40, 70], 2)
+        _rows_equal_across_batches(lambda x: mhc_pre(x, fn, scale, base, 1e-6, 1e-6, 5)[0],
+                                   lambda M: rand(M, n, H, dtype=torch.bfloat16, seed=M), [5, 40], 4)
+        hfn, hbase = fn[:n], base[:n]
+        _rows_equal_across_batches(lambda x: hc_head(x, hfn, scale[:1], hbase, 1e-6, 1e-6),
+                                   lambda M: rand(M, n, H, dtype=torch.bfloat16, seed=M), [5, 40], 4)
+
+
+def test_pinned_fp8_and_moe_rows_do_not_depend_on_the_batch():
+    from sparkspec.ops.batch_invariant import fp8_invariant_config, moe_tiles
+    from sparkspec.ops.triton_kernels.moe import moe_experts_triton
+    from sparkspec.ops.triton_kernels.quant import fp8_block_linear_triton
+
+    N, K = 160, 256
+    wq = (rand(N, K, seed=11) * 4).to(torch.float8_e4m3fn)
+    sc = torch.rand(2, 2, generator=torch.Generator().manual_seed(12)).to(DEVICE) + 0.5
+    cfg = fp8_invariant_config(N, K, torch.device(DEVICE))
+    _rows_equal_across_batches(lambda x: fp8_block_linear_triton(x, wq, sc, config=cfg),
+                               lambda M: rand(M, K, dtype=torch.bfloat16, seed=M), [5, 20, 40], 3)
+    E, H, inter, A = 4, 32, 32, 2
+    w13, w2 = rand(E, 2 * inter, H, seed=13) * 0.2, rand(E, H, inter, seed=14) * 0.2
+    plain, _ = moe_tiles()
+    plain = plain if DEVICE.type == "cuda" else type(plain)(16, 16, 16, 4, 1)  # the interpreter's small tile
+    ids_all = torch.randint(0, E, (40, A), generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    wts_all = torch.rand(40, A, generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    x_all = rand(40, H, seed=17)
+    alone = moe_experts_triton(x_all[:1], w13, w2, wts_all[:1], ids_all[:1], 10.0, config=plain)[0]
+    for M in (9, 40):
+        x, ids, wts = x_all[:M].clone(), ids_all[:M].clone(), wts_all[:M].clone()
+        at = M - 1
+        x[at], ids[at], wts[at] = x_all[0], ids_all[0], wts_all[0]
+        assert torch.equal(moe_experts_triton(x, w13, w2, wts, ids, 10.0, config=plain)[at], alone), M
+
+
+def test_tiny_model_greedy_tokens_are_unchanged_by_the_mode():
+    """The whole forward with every GEMM through the invariant kernel (the CPU dispatch key, interpreter) gives
+    the same greedy tokens as without: the mode changes rounding order, not the model."""
+    from spec_helpers import mixed_prompts, random_target, tiny_config
+
+    from sparkspec.engine.config import EngineConfig
+    from sparkspec.engine.llm_engine import LLMEngine
+    from sparkspec.sampling_params import SamplingParams
+
+    cfg = tiny_config()
+    model = random_target(cfg, dtype=torch.float32).to(DEVICE)
+    prompts = mixed_prompts(cfg.vocab_size, [5, 11, 3])
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def run():
+        eng = LLMEngine(model, None, EngineConfig(max_num_seqs=4, enforce_eager=True), {})
+        return [o.token_ids for o in eng.generate(prompts, params)]
+
+    plain = run()
+    before = CALLS["mm"] + CALLS["addmm"] + CALLS["bmm"]
+    with batch_invariant(KEYS):
+        invariant = run()
+    assert CALLS["mm"] + CALLS["addmm"] + CALLS["bmm"] > before  # the GEMMs did go through the kernel
+    assert invariant == plain
+
+
+def test_engine_config_flag():
+    from sparkspec.engine.config import EngineConfig
+
+    assert EngineConfig().batch_invariant is False
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant="yes")
