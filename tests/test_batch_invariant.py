@@ -85,10 +85,11 @@ def test_aten_gemms_are_routed_in_the_mode():
         assert torch.equal(torch.matmul(x3, w.t())[1], matmul_invariant(x3[1], w.t()))  # folded to one mm
         assert torch.equal(torch.einsum("bmk,bkn->bmn", x3, g), want_bmm)
         assert torch.equal(torch.bmm(x3, g), want_bmm)
+        assert torch.equal(torch.mv(x, w[0]), want_lin[:, 0])
         fp64 = x.double() @ w.double().t()  # a dtype the kernel does not take: the products-sum path
         torch.testing.assert_close(fp64.float(), want_lin, rtol=1e-5, atol=1e-5)
     routed = {k: CALLS[k] - before[k] for k in CALLS}
-    assert routed["mm"] >= 3 and routed["addmm"] >= 1 and routed["bmm"] >= 2, routed
+    assert routed["mm"] >= 3 and routed["addmm"] >= 1 and routed["bmm"] >= 2 and routed["mv"] >= 1, routed
     after = dict(CALLS)
     F.linear(x, w)
     assert CALLS == after, "the mode must leave nothing registered once off"
@@ -194,3 +195,23 @@ def test_engine_config_flag():
     assert EngineConfig().batch_invariant is False
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_demo_bf16_greedy_tokens_do_not_depend_on_batch_or_speculation():
+    """The H200 defect this mode fixes: in bf16, 16 prompts x 64 greedy tokens of the demo pair, plain decoding of
+    each prompt alone vs all 16 in one batch vs DSpark (fixed k = 7), MTP and n-gram in one batch: every request
+    must get the same tokens (graphs on, the default)."""
+    from pathlib import Path
+
+    from sparkspec.bench.identity import identity_counts, identity_prompts
+    from sparkspec.loading.checkpoint import load_checkpoint
+
+    demo = Path(__file__).resolve().parents[1] / "checkpoints" / "demo"
+    if not demo.exists():
+        pytest.skip("checkpoints/demo is not here")
+    ckpt = load_checkpoint(demo, device="cuda", dtype="bfloat16")
+    prompts = identity_prompts(ckpt.tokenizer, 5)[:16]
+    diff = identity_counts(ckpt, prompts, 64, ("dspark", "mtp", "ngram"), True, {"dspark": 7})
+    assert all(not bad for bad in diff.values()), diff

@@ -7,7 +7,7 @@ matched one-at-a-time on 12 of 31 on an H200), because cuBLAS picks its algorith
 kernels pick their tile by the row count, so the order of a row's fp32 sums, and its rounding, moved with the
 batch. In this mode (`set_batch_invariant(True)`, `EngineConfig.batch_invariant`, `--batch-invariant`):
 
-* every dense GEMM on an accelerator tensor (`aten::mm`, `addmm`, `bmm`: nn.Linear / F.linear, `@`, `matmul`,
+* every dense GEMM on an accelerator tensor (`aten::mm`, `addmm`, `bmm`, `mv`: nn.Linear / F.linear, `@`, `matmul`,
   `einsum`, in the target, the drafters and the natives that run there) goes to `matmul_invariant`
   (`triton_kernels.batch_invariant`: one fixed tile, no split-K, fp32 accumulation). It is registered as the
   CUDA kernel of those aten ops (torch.library), so no call site changes and none can be missed;
@@ -39,7 +39,7 @@ from sparkspec.ops.registry import invariant, ops
 
 _ENABLED = False
 _LIBS: dict[str, torch.library.Library] = {}  # dispatch key -> the aten overrides registered for it
-CALLS = {"mm": 0, "addmm": 0, "bmm": 0}  # GEMMs routed to the invariant kernel (tests read it)
+CALLS = {"mm": 0, "addmm": 0, "bmm": 0, "mv": 0}  # GEMMs routed to the invariant kernel (tests read it)
 
 
 def pinned() -> bool:
@@ -83,6 +83,15 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return matmul(a, b)
 
 
+def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """a [M, K] · v [K] (cuBLAS gemv otherwise): the GEMM with one column."""
+    dtypes, matmul = _kernel()
+    CALLS["mv"] += 1
+    if a.dtype != v.dtype or a.dtype not in dtypes:
+        return _products_sum(a, v.unsqueeze(1))[:, 0]
+    return matmul(a, v.unsqueeze(1))[:, 0]
+
+
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
     """beta · bias + alpha · a · b; the linear case (beta = alpha = 1, a bias row) adds the bias in fp32 inside the
     kernel, before the one rounding."""
@@ -113,7 +122,7 @@ def set_batch_invariant(enabled: bool, dispatch_keys: tuple[str, ...] = ("CUDA",
         lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # "overriding a previously registered kernel": that is the intent
             warnings.simplefilter("ignore", UserWarning)
-            for name, fn in (("mm", _mm), ("addmm", _addmm), ("bmm", _bmm)):
+            for name, fn in (("mm", _mm), ("addmm", _addmm), ("bmm", _bmm), ("mv", _mv)):
                 lib.impl(name, fn, key)
         _LIBS[key] = lib
 
