@@ -102,24 +102,29 @@ def _fp4_gemm(
     s_ptr,
     w_rows,  # [BLOCK_N] int64
     n_ok,  # [BLOCK_N] bool
+    kb_lo,  # bytes kb_lo..kb_hi of each row (this program's K split; multiples of G·16)
+    kb_hi,
     K: tl.constexpr,
     G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HALF_DOT: tl.constexpr,
     IEEE: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
-    """acc + x[rows] · W[w_rows]ᵀ over all K, W dequantised tile by tile (FMA path or `tl.dot`, by BLOCK_M)."""
+    """acc + x[rows] · W[w_rows]ᵀ over K columns 2·kb_lo..2·kb_hi, W dequantised tile by tile (FMA path or
+    `tl.dot`, by BLOCK_M; SWAP: the dot as W · xᵀ, the weight tile on the MMA's wide side)."""
     ms = tl.arange(0, BLOCK_M)
     if BLOCK_M == 1:  # decode: per-group partial sums carried over K, one cross-group reduction at the end
         acc_g = tl.zeros([BLOCK_N, G], dtype=tl.float32)
-        for kb0 in range(0, K // 2, G * 16):
+        for kb0 in range(kb_lo, kb_hi, G * 16):
             lo, hi, sc = _fp4_tile(w_ptr, s_ptr, w_rows, n_ok, kb0, K, G)
             xe, xo = _x_halves(x_ptr, row_off, m_ok, kb0, K, G)  # [1, G, 16]
             xe, xo = tl.sum(xe, axis=0), tl.sum(xo, axis=0)  # [G, 16]
             acc_g += tl.sum(lo * xe[None] + hi * xo[None], axis=2) * 16384.0 * sc
         return acc + tl.sum(acc_g, axis=1)[None, :]
-    for kb0 in range(0, K // 2, G * 16):
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # SWAP: W · xᵀ, transposed once at the end
+    for kb0 in range(kb_lo, kb_hi, G * 16):
         lo, hi, sc = _fp4_tile(w_ptr, s_ptr, w_rows, n_ok, kb0, K, G)
         xe, xo = _x_halves(x_ptr, row_off, m_ok, kb0, K, G)  # [BLOCK_M, G, 16]
         if BLOCK_M >= 16:
@@ -131,7 +136,14 @@ def _fp4_gemm(
             if HALF_DOT:
                 wl, wh = wl.to(tl.bfloat16), wh.to(tl.bfloat16)
                 xe2, xo2 = xe2.to(tl.bfloat16), xo2.to(tl.bfloat16)
-            if IEEE:
+            if SWAP:
+                if IEEE:
+                    acc_t = tl.dot(wl, tl.trans(xe2), acc_t, input_precision="ieee")
+                    acc_t = tl.dot(wh, tl.trans(xo2), acc_t, input_precision="ieee")
+                else:
+                    acc_t = tl.dot(wl, tl.trans(xe2), acc_t)
+                    acc_t = tl.dot(wh, tl.trans(xo2), acc_t)
+            elif IEEE:
                 acc = tl.dot(xe2, tl.trans(wl), acc, input_precision="ieee")
                 acc = tl.dot(xo2, tl.trans(wh), acc, input_precision="ieee")
             else:
@@ -144,6 +156,8 @@ def _fp4_gemm(
                 xom = tl.sum(tl.where(sel, xo, 0.0), axis=0)
                 part = tl.sum(lo * xem[None] + hi * xom[None], axis=2) * 16384.0 * sc  # [BLOCK_N, G] scaled once
                 acc += tl.where((ms == m)[:, None], tl.sum(part, axis=1)[None, :], 0.0)
+    if SWAP:
+        acc += tl.trans(acc_t)
     return acc
 
 
@@ -154,7 +168,8 @@ def _fp4_up_kernel(
     ends_ptr,  # [E] int32 end row of each expert's group
     w13_ptr,  # [E, 2I, H/2] uint8
     s13_ptr,  # [E, 2I, H/32] uint8
-    act_ptr,  # [P, I] (act dtype) sorted rows
+    act_ptr,  # [P, I] (act dtype) sorted rows; SPLIT > 1: [SPLIT, P, 2I] fp32 partial (gate | up) sums
+    num_pairs,  # P
     num_slots,  # A
     num_experts,
     limit,
@@ -163,28 +178,65 @@ def _fp4_up_kernel(
     INTER: tl.constexpr,
     HALF_DOT: tl.constexpr,
     IEEE: tl.constexpr,
+    SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     G: tl.constexpr,
     E_P: tl.constexpr,
+    SPLIT: tl.constexpr,
+    K_CHUNK: tl.constexpr,  # bytes of a row per K split (a multiple of G·16)
 ):
     e, rows, row_ok = _row_block(ends_ptr, num_experts, BLOCK_M, E_P)
     if e < num_experts:
+        kb_lo = tl.program_id(2) * K_CHUNK
+        kb_hi = tl.minimum(kb_lo + K_CHUNK, HIDDEN // 2)
         tok = tl.load(order_ptr + rows, mask=row_ok, other=0) // num_slots  # [BLOCK_M] int64
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of I
         col_ok = cols < INTER
         gate_rows = e.to(tl.int64) * 2 * INTER + cols  # rows of the [E·2I, H/2] stack; up rows: + I
         zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_off = tok * stride_xt
-        gate = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows, col_ok,
-                         HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE)
-        up = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows + INTER, col_ok,
-                       HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = gate * tl.sigmoid(gate) * up
-        tl.store(act_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :], act.to(act_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        gate = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows, col_ok, kb_lo, kb_hi,
+                         HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
+        up = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows + INTER, col_ok, kb_lo, kb_hi,
+                       HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
+        ok = row_ok[:, None] & col_ok[None, :]
+        if SPLIT == 1:
+            tl.store(act_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :],
+                     _swiglu(gate, up, limit).to(act_ptr.dtype.element_ty), mask=ok)
+        else:  # partial sums; `_swiglu_splits_kernel` adds them in split order and applies the activation
+            p = act_ptr + (tl.program_id(2) * num_pairs + rows[:, None].to(tl.int64)) * (2 * INTER) + cols[None, :]
+            tl.store(p, gate, mask=ok)
+            tl.store(p + INTER, up, mask=ok)
+
+
+@triton.jit
+def _swiglu(gate, up, limit):
+    """The V4 clamped SwiGLU (`ops.moe.swiglu`) in fp32."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _swiglu_splits_kernel(
+    part_ptr,  # [SPLIT, P, 2I] fp32 partial sums (gate | up)
+    act_ptr,  # [P, I] sorted rows
+    num_pairs,  # P
+    limit,
+    INTER: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat (row, col) of act
+    ok = i < num_pairs * INTER
+    src = (i // INTER) * (2 * INTER) + i % INTER
+    gate = tl.zeros([BLOCK], dtype=tl.float32)
+    up = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):  # split order: deterministic
+        gate += tl.load(part_ptr + s * num_pairs * 2 * INTER + src, mask=ok, other=0.0)
+        up += tl.load(part_ptr + s * num_pairs * 2 * INTER + src + INTER, mask=ok, other=0.0)
+    tl.store(act_ptr + i, _swiglu(gate, up, limit).to(act_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -195,29 +247,34 @@ def _fp4_down_kernel(
     w2_ptr,  # [E, H, I/2] uint8
     s2_ptr,  # [E, H, I/32] uint8
     weight_ptr,  # [P] fp32 routing weight of each pair
-    out_ptr,  # [P, H] fp32, pair order
+    out_ptr,  # [SPLIT, P, H] fp32, pair order: one partial sum per K split
+    num_pairs,  # P
     num_experts,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     HALF_DOT: tl.constexpr,
     IEEE: tl.constexpr,
+    SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     G: tl.constexpr,
     E_P: tl.constexpr,
+    K_CHUNK: tl.constexpr,
 ):
     e, rows, row_ok = _row_block(ends_ptr, num_experts, BLOCK_M, E_P)
     if e < num_experts:
+        kb_lo = tl.program_id(2) * K_CHUNK
+        kb_hi = tl.minimum(kb_lo + K_CHUNK, INTER // 2)
         pair = tl.load(order_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M] int64
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of H
         col_ok = cols < HIDDEN
         w_rows = e.to(tl.int64) * HIDDEN + cols  # rows of the [E·H, I/2] stack
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc = _fp4_gemm(acc, act_ptr, rows.to(tl.int64) * INTER, row_ok, w2_ptr, s2_ptr, w_rows, col_ok,
-                        INTER, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE)
+                        kb_lo, kb_hi, INTER, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
         wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)  # [BLOCK_M]
-        tl.store(out_ptr + pair[:, None] * HIDDEN + cols[None, :], acc * wt[:, None],
-                 mask=row_ok[:, None] & col_ok[None, :])
+        dst = out_ptr + (tl.program_id(2) * num_pairs + pair[:, None]) * HIDDEN + cols[None, :]
+        tl.store(dst, acc * wt[:, None], mask=row_ok[:, None] & col_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -227,12 +284,16 @@ class Fp4Config:
     groups: int = 4  # 32-value scale groups per K step (16 bytes each)
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # K splits of both projections (more programs at small P); partial sums added in order
+    swap: bool = False  # tl.dot path only: W · xᵀ (weight rows on the MMA's M side, the few x rows on N)
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "groups"):
+        for name in ("block_m", "block_n", "groups", "split_k"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"Fp4Config.{name} must be a power of two, got {v}")
+        if self.swap and self.block_m < 16:
+            raise ValueError(f"Fp4Config.swap needs the tl.dot path (block_m >= 16), got block_m={self.block_m}")
 
 
 def fp4_config(num_pairs: int, interpreter: bool) -> Fp4Config:
@@ -291,13 +352,32 @@ def moe_experts_fp4(
     ieee = x.dtype == torch.float32
     act_dtype = x.dtype if use_dot and x.dtype != torch.float32 else torch.float32
     act = torch.empty(P, I, device=x.device, dtype=act_dtype)  # sorted rows
-    out = torch.empty(P, H, device=x.device, dtype=torch.float32)  # pair order; every pair is written
     grid_m = min(P, triton.cdiv(P, bm) + E)
     e_p = max(next_pow2(E), 2)
-    common = dict(HALF_DOT=half_dot, IEEE=ieee, BLOCK_M=bm, BLOCK_N=cfg.block_n, G=cfg.groups, E_P=e_p,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _fp4_up_kernel[(grid_m, triton.cdiv(I, cfg.block_n))](
-        x, order, ends, w13d, s13, act, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I, **common)
-    _fp4_down_kernel[(grid_m, triton.cdiv(H, cfg.block_n))](
-        act, order, ends, w2d, s2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I, **common)
-    return out.view(T, A, H).sum(dim=1).to(x.dtype)
+    common = dict(HALF_DOT=half_dot, IEEE=ieee, SWAP=cfg.swap, BLOCK_M=bm, BLOCK_N=cfg.block_n, G=cfg.groups,
+                  E_P=e_p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    split_up, chunk_up = _k_split(H, cfg)
+    part = act if split_up == 1 else torch.empty(split_up, P, 2 * I, device=x.device)  # fp32 partial sums
+    _fp4_up_kernel[(grid_m, triton.cdiv(I, cfg.block_n), split_up)](
+        x, order, ends, w13d, s13, part, P, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I,
+        SPLIT=split_up, K_CHUNK=chunk_up, **common)
+    if split_up > 1:
+        _swiglu_splits_kernel[(triton.cdiv(P * I, 1024),)](part, act, P, float(limit), INTER=I, SPLIT=split_up,
+                                                           BLOCK=1024)
+    split_dn, chunk_dn = _k_split(I, cfg)
+    out = torch.empty(split_dn, P, H, device=x.device, dtype=torch.float32)  # pair order; all pairs written
+    _fp4_down_kernel[(grid_m, triton.cdiv(H, cfg.block_n), split_dn)](
+        act, order, ends, w2d, s2, weights.float().contiguous().view(-1), out, P, E, HIDDEN=H, INTER=I,
+        K_CHUNK=chunk_dn, **common)
+    if split_dn == 1:
+        return out.view(T, A, H).sum(dim=1).to(x.dtype)
+    return out.view(split_dn, T, A, H).sum(dim=(0, 2)).to(x.dtype)
+
+
+def _k_split(K: int, cfg: Fp4Config) -> tuple[int, int]:
+    """-> (splits, bytes of a row per split) over K columns (K/2 bytes): whole K steps of G·16 bytes per
+    split, no empty split (so every partial-sum slot is written)."""
+    step = cfg.groups * 16
+    steps = triton.cdiv(K // 2, step)
+    per = triton.cdiv(steps, min(cfg.split_k, steps))
+    return triton.cdiv(steps, per), per * step
