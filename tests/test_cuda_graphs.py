@@ -59,7 +59,7 @@ def test_static_padded_steps_equal_dynamic_steps(method):
     eng = engine(model, tensors, proposer, m, static=True)
     used = record_keys(eng)
     assert [o.token_ids for o in eng.generate(prompts, params)] == plain
-    assert used and {k.q for k in used} <= {1, 4} and {k.num_reqs for k in used} <= {1, 2, 4, 8}
+    assert used and {k.q for k in used} <= {1, 4, 16, 32} and {k.num_reqs for k in used} <= {1, 2, 4, 8}
     if method != "none":
         assert eng.stats.num_accepted > 0 or method != "replay"
 
@@ -84,6 +84,45 @@ def test_one_request_prefill_runs_as_a_static_step(method, temperature):
         assert all(k.num_reqs == 1 for k in prefill_keys)
         if method != "none":
             assert {k.num_drafts for k in prefill_keys} == {3}
+
+
+@pytest.mark.parametrize("method", ["none", "dspark", "mtp"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_prompts_of_several_requests_run_as_one_static_step(method, temperature):
+    """Prompts of several requests joining at once run padded to one (R, q) prefill graph per group: each
+    request's rows at i·q, padding rows past its prompt, dummy requests past the last. Tokens equal the dynamic
+    steps'; with a small budget the group is cut to what the captured (R, q) hold."""
+    cfg, model, tensors = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, [3, 9, 17, 30, 5, 12, 7], seed=9)
+    params = [SamplingParams(max_tokens=6 + i, temperature=temperature, seed=20 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    for budget in (None, 32):  # 32: R·q <= 64, so the prompts need several graphs and the 30-token one is chunked
+        kw = {} if budget is None else {"max_num_batched_tokens": budget}
+        want = [o.token_ids for o in engine(model, tensors, method=method, **kw).generate(prompts, params)]
+        eng = engine(model, tensors, method=method, static=True, **kw)
+        used = record_keys(eng)
+        assert [o.token_ids for o in eng.generate(prompts, params)] == want
+        prefill_keys = [k for k in used if k.draft_cols == 0 and k.q > 1]
+        assert max(k.num_reqs for k in prefill_keys) > 1, "several prompts share a prefill graph"
+        assert all(k.num_reqs * k.q <= 2 * eng.config.max_num_batched_tokens or k.num_reqs == 1
+                   for k in prefill_keys)
+
+
+def test_prefill_groups_fit_captured_shapes():
+    from sparkspec.engine.cuda_graphs import GraphRunner
+
+    g = GraphRunner.__new__(GraphRunner)  # shapes only: no cache, nothing captured
+    g.sizes, g.query_lens, g.prefill_lens = capture_sizes(64), (1,), (16, 32, 64)
+    g.prefill_sizes = {q: [R for R in g.sizes if R == 1 or R * q <= 128] for q in g.prefill_lens}
+    assert g.prefill_sizes == {16: [1, 2, 4, 8], 32: [1, 2, 4], 64: [1, 2]}
+    assert g.key_for(3, 20, "greedy", 0).num_reqs == 4 and g.key_for(3, 20, "greedy", 0).q == 32
+    assert g.key_for(5, 20, "greedy", 0) is None and g.key_for(1, 64, "greedy", 0).q == 64
+    lengths = [60, 3, 10, 30, 16, 2, 40, 9, 11, 12, 13, 14]
+    groups = g.prefill_groups(lengths)
+    assert sorted(i for grp in groups for i in grp) == list(range(len(lengths)))
+    for grp in groups:
+        assert g.key_for(len(grp), max(lengths[i] for i in grp), "greedy", 0) is not None
+    assert groups == [[5, 1, 7, 2, 8, 9, 10, 11], [4, 3], [6, 0]]  # the shortest eight fill (8, 16)
 
 
 def sampled_params(filtered: bool) -> list[SamplingParams]:

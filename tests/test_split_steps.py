@@ -112,4 +112,6 @@ def test_split_mixed_groups():
     assert split([decode, chunk, decode, last, short], 16) == [[0, 2], [3], [4], [1]]  # a chunk never samples
     assert split([decode, decode], 16) is None  # all decode rows: one graph step
     assert split([chunk, last]) is None and split([last], 16) is None  # one part
-    assert split([short, last], 16) is None  # prompts only: one step
+    assert split([short, last], 16) == [[0], [1]]  # prompts that two prefill graphs take: two parts
+    assert split([short, last], 16, lambda lengths: [[0, 1]]) is None  # one prefill graph holds both: one step
+    assert split([decode, short, chunk, last], 16, lambda lengths: [[1, 0]]) == [[0], [3, 1], [2]]

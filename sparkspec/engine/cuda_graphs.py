@@ -4,9 +4,9 @@ rejection sampler and the device drafter, replayed as one graph.
 Legend: R requests padded to a captured size, q rows per request (1 for plain decode, 1 + k to verify k
 drafts), T = R·q rows, W block-table columns.
 
-A step whose every request is a decode row (its pending token plus up to q - 1 drafts), or that prefills one
-request's prompt (or its last chunk) of at most q tokens and samples after it, runs as the graph of its
-`GraphKey`: requests are padded with dummy requests whose block tables hold only the cache's scratch block, and
+A step whose every request is a decode row (its pending token plus up to q - 1 drafts), or that prefills the
+prompts (or last chunks) of up to R requests of at most q tokens each and samples after each, runs as the graph
+of its `GraphKey`: requests are padded with dummy requests whose block tables hold only the cache's scratch block, and
 a request with fewer drafts is padded with dummy rows. Every padded row writes only into the scratch block, or
 into positions past the request's committed length, which the step that commits them rewrites before anything
 reads them (the same argument that makes rejected drafts free). Dummy requests sample greedily with no drafts.
@@ -22,8 +22,10 @@ on how many follow).
 Inputs live in one static int64 buffer per graph, laid out as the batch, then the step's named parts
 (`step_io.Upload`): a step packs its integers on the host, copies them to the device once and then into the
 buffer, and replays (the decode / verify steps from the persistent batch of `input_batch.py`, numpy over slot
-arrays; one-request prefills from `pack`'s lists: both lay it out the same way). Prefills of several requests,
-chunks that do not sample, mixed steps, and steps that return logprobs run eagerly.
+arrays; prefills from `pack`'s lists: both lay it out the same way). Prefill graphs pad R·q rows up to
+`prefill_rows` (twice the step's token budget: padding to a captured shape can double a step's rows); more
+prompts than one graph holds run as several (`prefill_groups`). Chunks that do not sample, prompts longer than
+the longest prefill length, and steps that return logprobs run eagerly.
 """
 
 from __future__ import annotations
@@ -78,17 +80,20 @@ class GraphRunner:
 
     def __init__(self, cache: KVCache, ratios: tuple[int, ...], step: StepFn, dummy_upload: UploadFn,
                  max_num_seqs: int, max_model_len: int, query_lens: tuple[int, ...], eager: bool = False,
-                 preserve: tuple[torch.Tensor, ...] = (), prefill_lens: tuple[int, ...] = ()):
+                 preserve: tuple[torch.Tensor, ...] = (), prefill_lens: tuple[int, ...] = (), prefill_rows: int = 0):
         """`step` runs one step on the device (captured as is); `eager`: build the same static, padded batches
         but run them eagerly (tests on CPU use it to check the padding; on a GPU it is only slower). `preserve`:
         state a step reads before it writes it (the drafter's q of the last proposal): a capture while serving
-        runs dummy steps, so it is restored afterwards."""
+        runs dummy steps, so it is restored afterwards. `prefill_rows`: most padded rows R·q of a prefill graph
+        (its R are the captured sizes that fit; one request always fits)."""
         self.cache, self.ratios, self.step, self.dummy_upload = cache, ratios, step, dummy_upload
         self.preserve = preserve
         self.sizes = capture_sizes(max_num_seqs)
         self.query_lens = tuple(sorted(set(query_lens)))
         self.prefill_lens = tuple(sorted(q for q in set(prefill_lens) if q > max(self.query_lens)))
         self.width = -(-(max_model_len + max(self.query_lens + self.prefill_lens)) // cache.block_size) + 1
+        # q -> the request counts R captured for prefills of q rows each: R·q <= prefill_rows
+        self.prefill_sizes = {q: [R for R in self.sizes if R == 1 or R * q <= prefill_rows] for q in self.prefill_lens}
         self.eager = eager
         self.graphs: dict[GraphKey, StaticGraph] = {}
         self.pool = None
@@ -98,13 +103,30 @@ class GraphRunner:
     # ---- shapes ----
     def key_for(self, num_reqs: int, num_rows: int, mode: str, num_drafts: int) -> GraphKey | None:
         """The captured key for `num_reqs` requests of at most `num_rows` rows each, if any: decode / verify
-        rows at any captured batch size, or one request's whole prompt (or last chunk) at a prefill length."""
+        rows at any captured batch size, or prompts (or last chunks) at a prefill length and size."""
         q = next((q for q in self.query_lens if q >= num_rows), None)
         if q is not None:
             R = next((s for s in self.sizes if s >= num_reqs), None)
             return None if R is None else GraphKey(R, q, mode, num_drafts, q - 1)
         q = next((q for q in self.prefill_lens if q >= num_rows), None)
-        return None if q is None or num_reqs != 1 else GraphKey(1, q, mode, num_drafts, 0)
+        R = None if q is None else next((s for s in self.prefill_sizes[q] if s >= num_reqs), None)
+        return None if R is None else GraphKey(R, q, mode, num_drafts, 0)
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(R, q) of every prefill graph."""
+        return [(R, q) for q in self.prefill_lens for R in self.prefill_sizes[q]]
+
+    def prefill_groups(self, lengths: list[int]) -> list[list[int]]:
+        """Prompts of `lengths` tokens (each at most the longest prefill length) -> groups of their indices, each
+        one prefill graph: shortest first, a group grows while a captured (R, q) still holds it, so prompts of
+        similar length share a graph and the padding stays small."""
+        groups: list[list[int]] = []
+        for i in sorted(range(len(lengths)), key=lengths.__getitem__):  # i: the longest of its group so far
+            if groups and self.key_for(len(groups[-1]) + 1, lengths[i], "greedy", 0) is not None:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
 
     def pack(self, key: GraphKey, ids: list[list[int]], block_tables: list[list[int]], starts: list[int]
              ) -> list[int]:
@@ -142,8 +164,9 @@ class GraphRunner:
         torch.cuda.synchronize(self.cache.device)
         self.capture_seconds += time.perf_counter() - t0
         self.graph_bytes += max(free_before - torch.cuda.mem_get_info(self.cache.device)[0], 0)
-        log.info("captured %d CUDA graphs (R in %s, q in %s; prefill of one request: q in %s) in %.1f s, %.0f MiB",
-                 len(self.graphs), self.sizes, self.query_lens, self.prefill_lens, self.capture_seconds,
+        log.info("captured %d CUDA graphs (R in %s, q in %s; prefills: q in %s, R·q <= %d) in %.1f s, %.0f MiB",
+                 len(self.graphs), self.sizes, self.query_lens, self.prefill_lens,
+                 max((R * q for R, q in self.prefill_shapes()), default=0), self.capture_seconds,
                  self.graph_bytes / 2**20)
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ steps run the same functions eagerly.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -82,22 +82,23 @@ class ModelRunner:
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, num_spec_tokens: int, eager: bool = False,
                    max_num_batched_tokens: int = 0) -> None:
-        """Decode (q = 1) and verify (q = 1 + num_spec_tokens) steps, and the prefill of one request at the
-        lengths of PREFILL_LENS up to `max_num_batched_tokens`, run as graphs, captured now for the greedy and
-        plain sampling modes (with and without drafting); `eager` builds the same static steps and runs them
-        eagerly (tests of the padding on CPU)."""
+        """Decode (q = 1) and verify (q = 1 + num_spec_tokens) steps, and prefills of R requests padded to the
+        lengths of PREFILL_LENS up to `max_num_batched_tokens` (R·q up to twice that), run as graphs, captured
+        now for the greedy and plain sampling modes (with and without drafting); `eager` builds the same static
+        steps and runs them eagerly (tests of the padding on CPU)."""
         from sparkspec.engine.cuda_graphs import GraphRunner
 
         query_lens = (1, 1 + num_spec_tokens) if num_spec_tokens else (1,)
         prefill_lens = tuple(q for q in PREFILL_LENS if q <= max(max_num_batched_tokens, 1))
         self.graphs = GraphRunner(self.cache, self.ratios, self.graph_step, self.planner.dummy_upload, max_num_seqs,
                                   max_model_len, query_lens, eager=eager,
-                                  preserve=() if self.q_store is None else (self.q_store,), prefill_lens=prefill_lens)
+                                  preserve=() if self.q_store is None else (self.q_store,), prefill_lens=prefill_lens,
+                                  prefill_rows=2 * max_num_batched_tokens)
         self.planner.use_graphs(self.graphs, max_num_seqs)
         drafts = (0, self.proposer.num_spec_tokens) if self.drafts_on_device else (0,)
         modes = ("greedy", "sample")
         shapes = [(R, q) for R in self.graphs.sizes for q in self.graphs.query_lens]
-        shapes += [(1, q) for q in self.graphs.prefill_lens]
+        shapes += self.graphs.prefill_shapes()
         self.graphs.capture_all([self.graphs.key_for(R, q, mode, d) for R, q in shapes for mode in modes
                                  for d in drafts])
 
@@ -138,35 +139,40 @@ class ModelRunner:
         -inf outside their grammar's mask before the sampler, in a second host->device copy (the bitmasks). The
         masks are read only once the forward is launched: `LazyMasks` makes them then, while the device runs.
 
-        A step that mixes decode rows with prompt chunks (a request joins while others decode) runs in parts where
-        graphs are captured (`split_mixed`): the decode / verify rows as their graph, then each short prompt as
-        its one-request prefill graph, then any other chunks eagerly."""
+        A step that mixes decode rows with prompt chunks (a request joins while others decode), or prompts that
+        need more than one prefill graph, runs in parts where graphs are captured (`split_mixed`): the decode /
+        verify rows as their graph, then the short prompts as prefill graphs, then any other chunks eagerly."""
         if self.graphs is not None:
-            groups = self.split_mixed(items, max(self.graphs.prefill_lens, default=0))
+            groups = self.split_mixed(items, max(self.graphs.prefill_lens, default=0), self.graphs.prefill_groups)
             if groups is not None:
                 return self.execute_split(groups, items, drafts, draft_probs, draft_rows, num_next_drafts,
                                           token_masks)
         return self.execute_one(items, drafts, draft_probs, draft_rows, num_next_drafts, token_masks)
 
     @staticmethod
-    def split_mixed(items: list[ScheduledSeq], max_prefill_len: int = 0) -> list[list[int]] | None:
-        """The parts of a step that mixes decode rows with prompt chunks: the decode rows (first: only they verify
-        drafts), then each sampling prompt of at most `max_prefill_len` tokens alone (a one-request prefill
-        graph), then the other chunks together (eager). None: one part (decode rows only, or prompts only).
-        Why: one prompt chunk in a step made the whole step eager, and an eager DSpark step (target, sampler and
-        drafter as separate launches) cost ~20x its graph on the H200 demo pair; in a closed loop a request
-        joins every few steps."""
-        decode, alone, rest = [], [], []
+    def split_mixed(items: list[ScheduledSeq], max_prefill_len: int = 0,
+                    group_prompts: Callable[[list[int]], list[list[int]]] | None = None) -> list[list[int]] | None:
+        """The parts of a step: its decode rows (first: only they verify drafts), then its sampling prompts of at
+        most `max_prefill_len` tokens in the groups `group_prompts` makes of their lengths (each group one
+        prefill graph; default: each prompt alone), then the other chunks together (eager). None: one part.
+        Why: one prompt chunk in a step made the whole step eager, and an eager step cost ~20x its graph on the
+        H200 demo pair (an eager DSpark step: target, sampler and drafter as separate launches; an eager prefill
+        of 1,024 tokens: ~20 ms of host launches against ~2 ms on the device); in a closed loop a request joins
+        every few steps."""
+        decode, short, rest = [], [], []
         for i, it in enumerate(items):
             if it.num_tokens == 1 and it.samples:
                 decode.append(i)
             elif it.samples and it.num_tokens <= max_prefill_len:
-                alone.append([i])
+                short.append(i)
             else:
                 rest.append(i)
-        if not decode or not (alone or rest):
-            return None  # a step of prompts only stays one step (its own eager forward or prefill graph)
-        return [decode] + alone + ([rest] if rest else [])
+        if short:
+            lengths = [items[i].num_tokens for i in short]
+            grouped = group_prompts(lengths) if group_prompts else [[j] for j in range(len(short))]
+            short = [[short[j] for j in g] for g in grouped]
+        groups = ([decode] if decode else []) + short + ([rest] if rest else [])
+        return groups if len(groups) > 1 else None
 
     def execute_split(self, groups: list[list[int]], items: list[ScheduledSeq],
                       drafts: list[list[int]], draft_probs: torch.Tensor | None, draft_rows: list[int],

@@ -18,7 +18,7 @@ from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.step_io import Upload, float_bits
 
-# query lengths a one-request prefill is padded to (TTFT of short prompts: one graph instead of an eager forward)
+# query lengths prefills are padded to (short prompts: one graph instead of an eager forward)
 PREFILL_LENS = (16, 32, 64, 128, 256, 512)
 
 
@@ -70,10 +70,9 @@ class StepPlanner:
         if self.graphs is None or structured or p.prompt_items or not all(it.samples for it in items) \
                 or any(sp.logprobs is not None for sp in p.params):
             return None
-        if len(items) > 1 and any(it.num_tokens > 1 for it in items):  # prefills: of one request only
-            return None
         num_drafts = self.device_drafts if p.num_drafts else 0
-        return self.graphs.key_for(len(items), max(len(ids) for ids in p.item_ids), p.mode, num_drafts)
+        key = self.graphs.key_for(len(items), max(len(ids) for ids in p.item_ids), p.mode, num_drafts)
+        return None if key is None or key.draft_cols < p.K else key  # a prefill key verifies no drafts
 
     def pack_lists(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
                    num_next_drafts: int, structured: bool = False) -> PackedStep:

@@ -167,7 +167,8 @@ def cmd_serve(args) -> int:
     if engine.runner.graphs is not None:
         g = engine.runner.graphs
         print(f"CUDA graphs: {len(g.graphs)} captured (batch sizes {g.sizes}, query lengths {list(g.query_lens)}, "
-              f"one-request prefills of {list(g.prefill_lens)} tokens) in "
+              f"prefills of {list(g.prefill_lens)} tokens, "
+              f"up to {max((R * q for R, q in g.prefill_shapes()), default=0)} rows) in "
               f"{g.capture_seconds:.1f} s, {g.graph_bytes / 2**20:.0f} MiB", file=sys.stderr)
     config = uvicorn_config(app, limits, app.state.count_refused, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
