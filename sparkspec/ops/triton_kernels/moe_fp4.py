@@ -185,6 +185,7 @@ def _fp4_up_kernel(
     E_P: tl.constexpr,
     SPLIT: tl.constexpr,
     K_CHUNK: tl.constexpr,  # bytes of a row per K split (a multiple of G·16)
+    FUSE_GU: tl.constexpr,  # gate and up rows in one tile (one K loop) instead of two loops
 ):
     e, rows, row_ok = _row_block(ends_ptr, num_experts, BLOCK_M, E_P)
     if e < num_experts:
@@ -196,10 +197,19 @@ def _fp4_up_kernel(
         gate_rows = e.to(tl.int64) * 2 * INTER + cols  # rows of the [E·2I, H/2] stack; up rows: + I
         zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_off = tok * stride_xt
-        gate = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows, col_ok, kb_lo, kb_hi,
-                         HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
-        up = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows + INTER, col_ok, kb_lo, kb_hi,
-                       HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
+        if FUSE_GU:  # one [2·BLOCK_N]-row weight tile per K step (gate cols, then up cols): x tiles read once
+            j = tl.arange(0, 2 * BLOCK_N)
+            c2 = tl.program_id(1) * BLOCK_N + j % BLOCK_N  # [2 BLOCK_N] column of I of each tile row
+            both = e.to(tl.int64) * 2 * INTER + (j // BLOCK_N) * INTER + c2  # [2 BLOCK_N] rows of the stack
+            h = _fp4_gemm(tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32), x_ptr, x_off, row_ok, w13_ptr,
+                          s13_ptr, both, c2 < INTER, kb_lo, kb_hi,
+                          HIDDEN, G, BLOCK_M, 2 * BLOCK_N, HALF_DOT, IEEE, SWAP)  # [BLOCK_M, 2 BLOCK_N]
+            gate, up = tl.split(tl.permute(tl.reshape(h, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        else:
+            gate = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows, col_ok, kb_lo, kb_hi,
+                             HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
+            up = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows + INTER, col_ok, kb_lo, kb_hi,
+                           HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
         ok = row_ok[:, None] & col_ok[None, :]
         if SPLIT == 1:
             tl.store(act_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :],
@@ -286,6 +296,7 @@ class Fp4Config:
     num_stages: int = 3
     split_k: int = 1  # K splits of both projections (more programs at small P); partial sums added in order
     swap: bool = False  # tl.dot path only: W · xᵀ (weight rows on the MMA's M side, the few x rows on N)
+    fuse_gate_up: bool = False  # up projection: gate and up rows in one 2·block_n tile, one pass over K
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "groups", "split_k"):
@@ -360,7 +371,7 @@ def moe_experts_fp4(
     part = act if split_up == 1 else torch.empty(split_up, P, 2 * I, device=x.device)  # fp32 partial sums
     _fp4_up_kernel[(grid_m, triton.cdiv(I, cfg.block_n), split_up)](
         x, order, ends, w13d, s13, part, P, A, E, float(limit), x.stride(0), HIDDEN=H, INTER=I,
-        SPLIT=split_up, K_CHUNK=chunk_up, **common)
+        SPLIT=split_up, K_CHUNK=chunk_up, FUSE_GU=cfg.fuse_gate_up, **common)
     if split_up > 1:
         _swiglu_splits_kernel[(triton.cdiv(P * I, 1024),)](part, act, P, float(limit), INTER=I, SPLIT=split_up,
                                                            BLOCK=1024)
