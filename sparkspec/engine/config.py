@@ -68,7 +68,10 @@ BATCH_INVARIANT_HELP = ("batch-invariant kernels: a request's greedy tokens do n
 
 
 def apply_batch_invariant(config: EngineConfig) -> None:
-    """Set the process-wide batch-invariant mode from `config` (before the engine captures graphs or runs)."""
-    from sparkspec.ops.batch_invariant import set_batch_invariant
+    """Turn the process-wide batch-invariant mode on when `config` asks for it (before the engine captures graphs or
+    runs). It never turns it off: the mode is process-wide and an engine built without it must not change what an
+    engine (or a test) that turned it on sees; `sparkspec.ops.batch_invariant.set_batch_invariant(False)` does."""
+    if config.batch_invariant:
+        from sparkspec.ops.batch_invariant import set_batch_invariant
 
-    set_batch_invariant(config.batch_invariant)
+        set_batch_invariant(True)

@@ -45,7 +45,7 @@ class LLM:
             engine_kw.update(parallel_engine_kwargs(parallel, self.method, spec_budget))
         config = EngineConfig(speculative=self.method, num_spec_tokens=num_spec_tokens, spec_budget=spec_budget,
                               **engine_kw)
-        apply_batch_invariant(config)  # process-wide; before the engine runs or captures a graph
+        apply_batch_invariant(config)  # process-wide, on before the engine runs or captures a graph
         engine_cls, extra = LLMEngine, {}
         if parallel is not None and parallel.world_size > 1:
             from sparkspec.distributed.tensor_parallel import shard_
