@@ -229,3 +229,22 @@ def test_policy_modules_do_not_import_torch():
     code = ("import sys; import sparkspec.engine.scheduler, sparkspec.engine.block_manager, sparkspec.engine.budget; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_unsplit_prompts_wait_whole_for_the_next_step():
+    """A prompt that one prefill graph holds is never split into a chunk that does not sample: it waits for a
+    step with room for all of it, and an empty step always has that room. Longer prompts still fill the budget."""
+    cfg = dict(max_num_seqs=8, max_num_batched_tokens=32, unsplit_prompt_len=16)
+    s = make(**cfg)
+    for n in (20, 6, 14):
+        s.add(seq(n, n))
+    first = s.schedule()
+    # 20 + 6 tokens fit 32; the 14-token prompt would get a 6-token chunk: it waits whole
+    assert [(it.seq.seq_id, it.num_tokens) for it in first.scheduled] == [(20, 20), (6, 6)]
+    s2 = make(**cfg)
+    s2.add(seq(30, 30))
+    s2.add(seq(40, 40))
+    assert [(it.seq.seq_id, it.num_tokens) for it in s2.schedule().scheduled] == [(30, 30), (40, 2)]
+    lone = make(**cfg)
+    lone.add(seq(7, 16))
+    assert [it.num_tokens for it in lone.schedule().scheduled] == [16]  # an empty step takes it whole

@@ -139,7 +139,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens,
                                                                          1 + num_lookahead),
             max_model_len=self.max_model_len, num_lookahead_tokens=num_lookahead, max_waiting=config.max_waiting,
-            enable_chunked_prefill=config.enable_chunked_prefill), bm)
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            unsplit_prompt_len=max(self.runner.graphs.prefill_lens, default=0) if self.runner.graphs else 0), bm)
         if self.spec is not None:
             self.spec.start(self.runner)
         self.requests: dict[str, Sequence] = {}

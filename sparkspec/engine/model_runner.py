@@ -83,9 +83,10 @@ class ModelRunner:
     def use_graphs(self, max_num_seqs: int, max_model_len: int, num_spec_tokens: int, eager: bool = False,
                    max_num_batched_tokens: int = 0) -> None:
         """Decode (q = 1) and verify (q = 1 + num_spec_tokens) steps, and prefills of R requests padded to the
-        lengths of PREFILL_LENS up to `max_num_batched_tokens` (R·q up to twice that), run as graphs, captured
-        now for the greedy and plain sampling modes (with and without drafting); `eager` builds the same static
-        steps and runs them eagerly (tests of the padding on CPU)."""
+        lengths of PREFILL_LENS up to `max_num_batched_tokens` (R·q up to that too), run as graphs, captured now
+        for the greedy and plain sampling modes (with and without drafting; prefills of several requests in the
+        greedy mode only, the rest on first use: each capture costs ~0.2 s of start-up on the H200); `eager`
+        builds the same static steps and runs them eagerly (tests of the padding on CPU)."""
         from sparkspec.engine.cuda_graphs import GraphRunner
 
         query_lens = (1, 1 + num_spec_tokens) if num_spec_tokens else (1,)
@@ -93,14 +94,15 @@ class ModelRunner:
         self.graphs = GraphRunner(self.cache, self.ratios, self.graph_step, self.planner.dummy_upload, max_num_seqs,
                                   max_model_len, query_lens, eager=eager,
                                   preserve=() if self.q_store is None else (self.q_store,), prefill_lens=prefill_lens,
-                                  prefill_rows=2 * max_num_batched_tokens)
+                                  prefill_rows=max_num_batched_tokens)
         self.planner.use_graphs(self.graphs, max_num_seqs)
         drafts = (0, self.proposer.num_spec_tokens) if self.drafts_on_device else (0,)
-        modes = ("greedy", "sample")
         shapes = [(R, q) for R in self.graphs.sizes for q in self.graphs.query_lens]
-        shapes += self.graphs.prefill_shapes()
-        self.graphs.capture_all([self.graphs.key_for(R, q, mode, d) for R, q in shapes for mode in modes
-                                 for d in drafts])
+        shapes += [(R, q) for R, q in self.graphs.prefill_shapes() if R == 1]
+        keys = [self.graphs.key_for(R, q, mode, d) for R, q in shapes for mode in ("greedy", "sample") for d in drafts]
+        keys += [self.graphs.key_for(R, q, "greedy", d) for R, q in self.graphs.prefill_shapes() if R > 1
+                 for d in drafts]
+        self.graphs.capture_all(keys)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """The pools every block id of the engine's block manager addresses (target and drafter)."""
