@@ -24,8 +24,8 @@ Inputs live in one static int64 buffer per graph, laid out as the batch, then th
 buffer, and replays (the decode / verify steps from the persistent batch of `input_batch.py`, numpy over slot
 arrays; prefills from `pack`'s lists: both lay it out the same way). Prefill graphs hold R·q rows up to
 `prefill_rows` (the step's token budget); more prompts than one graph holds run as several (`prefill_groups`),
-and the scheduler does not split a prompt that one graph holds (`SchedulerConfig.unsplit_prompt_len`). Chunks that do not sample, prompts longer than
-the longest prefill length, and steps that return logprobs run eagerly.
+and the scheduler does not split a prompt that one graph holds (`SchedulerConfig.unsplit_prompt_len`). Chunks
+that do not sample, prompts longer than the longest prefill length, and steps that return logprobs run eagerly.
 """
 
 from __future__ import annotations
