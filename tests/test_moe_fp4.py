@@ -120,11 +120,48 @@ CONFIGS = {"fma_m1": (1, 16, 1), "fma_m4": (4, 16, 2), "dot_m16": (16, 16, 1)}
 def test_fp4_matches_dequantised_reference(T, E, A, repeats, path):
     k = _kernels()
     bm, bn, g = CONFIGS[path]
+    if bm == 1 and T > 3:
+        pytest.skip("slow under the interpreter (a program per row): T = 1 and 3 cover it, fma_m4 covers T = 17")
     cfg = k.Fp4Config(block_m=bm, block_n=bn, groups=g, num_stages=1)
     x, w13, w2, w, ids = _case(T, 64, 32, E, A, seed=T * 10 + A, repeats=repeats)  # 2 K groups in H, 1 in I
     y = k.moe_experts_fp4(x, w13, w2, w, ids, LIMIT, cfg)
     assert y.shape == x.shape and y.dtype == x.dtype
     _assert_close(y, _reference(x, w13, w2, w, ids), 2e-5)
+
+
+# the newer knobs: split-K (partial sums + the swiglu finish kernel), W·xᵀ dots, gate and up in one tile.
+# H = 128, I = 64 with groups = 1: 4 K steps in the up projection, 2 in the down (split_k = 4 clamps there)
+KNOBS = {
+    "fma_m1_split4_fused": dict(block_m=1, block_n=16, groups=1, split_k=4, fuse_gate_up=True),
+    "fma_m2_fused": dict(block_m=2, block_n=16, groups=2, fuse_gate_up=True),
+    "dot_swap": dict(block_m=16, block_n=16, groups=2, swap=True),
+    "dot_swap_split2_fused": dict(block_m=16, block_n=16, groups=1, swap=True, split_k=2, fuse_gate_up=True),
+    "dot_m16_split4_fused": dict(block_m=16, block_n=32, groups=1, split_k=4, fuse_gate_up=True),
+}
+KNOB_CASES = [(1, 8, 6, False), (3, 8, 4, True), (9, 8, 3, False)]
+
+
+@pytest.mark.parametrize("T,E,A,repeats", KNOB_CASES)
+@pytest.mark.parametrize("path", list(KNOBS))
+def test_fp4_knobs_match_dequantised_reference(T, E, A, repeats, path):
+    k = _kernels()
+    bm = KNOBS[path]["block_m"]
+    if (bm == 1 and T > 1) or (bm < 16 and T > 3):
+        pytest.skip("slow under the interpreter (a program per row or two): smaller T covers the FMA rows")
+    cfg = k.Fp4Config(num_stages=1, **KNOBS[path])
+    x, w13, w2, w, ids = _case(T, 128, 64, E, A, seed=T * 7 + A, repeats=repeats)
+    y = k.moe_experts_fp4(x, w13, w2, w, ids, LIMIT, cfg)
+    _assert_close(y, _reference(x, w13, w2, w, ids), 2e-5)
+
+
+def test_k_split_covers_k_without_empty_splits():
+    k = _kernels()
+    for K in (32, 64, 96, 4096):
+        for groups in (1, 2, 4, 8):
+            for split in (1, 2, 4, 8, 16):
+                n, chunk = k._k_split(K, k.Fp4Config(groups=groups, split_k=split))
+                assert chunk % (groups * 16) == 0 and 1 <= n <= split
+                assert (n - 1) * chunk < K // 2 <= n * chunk  # the last split holds >= 1 step, all K covered
 
 
 def test_fp4_bf16_and_default_configs():
@@ -157,6 +194,10 @@ def test_fp4_wrapper_checks():
         k.moe_experts_fp4(x, w13, Quantized(w2.data, w2.scale[..., :0]), w, ids, LIMIT)
     with pytest.raises(ValueError, match="power of two"):
         k.Fp4Config(block_m=3)
+    with pytest.raises(ValueError, match="power of two"):
+        k.Fp4Config(split_k=3)
+    with pytest.raises(ValueError, match="swap"):
+        k.Fp4Config(block_m=4, swap=True)
     assert k.moe_experts_fp4(x[:0], w13, w2, w[:0], ids[:0], LIMIT).shape == (0, 64)
 
 

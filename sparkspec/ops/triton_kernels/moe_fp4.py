@@ -84,8 +84,16 @@ def _x_halves(
     kb0,
     K: tl.constexpr,
     G: tl.constexpr,
+    X_PAIRS: tl.constexpr,
 ):
-    """Even and odd columns of the rows' K tile -> 2 x [BLOCK_M, G, 16] fp32 (column 2·byte and 2·byte + 1)."""
+    """Even and odd columns of the rows' K tile -> 2 x [BLOCK_M, G, 16] fp32 (column 2·byte and 2·byte + 1).
+    X_PAIRS: one contiguous load of the 32·G columns, split into the halves in registers (vector loads);
+    else two stride-2 loads."""
+    if X_PAIRS:
+        col = 2 * kb0 + tl.arange(0, G)[:, None] * 32 + tl.arange(0, 32)[None, :]  # [G, 32]
+        ok = row_ok[:, None, None] & (col[None] < K)
+        v = tl.load(x_ptr + row_off[:, None, None] + col[None], mask=ok, other=0.0).to(tl.float32)
+        return tl.split(tl.reshape(v, (v.shape[0], G, GROUP_BYTES, 2)))
     byte = kb0 + tl.arange(0, G)[:, None] * GROUP_BYTES + tl.arange(0, GROUP_BYTES)[None, :]  # [G, 16]
     ok = row_ok[:, None, None] & (byte[None] < K // 2)
     p = x_ptr + row_off[:, None, None] + 2 * byte[None]
@@ -111,6 +119,7 @@ def _fp4_gemm(
     HALF_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     SWAP: tl.constexpr,
+    X_PAIRS: tl.constexpr,
 ):
     """acc + x[rows] · W[w_rows]ᵀ over K columns 2·kb_lo..2·kb_hi, W dequantised tile by tile (FMA path or
     `tl.dot`, by BLOCK_M; SWAP: the dot as W · xᵀ, the weight tile on the MMA's wide side)."""
@@ -119,14 +128,14 @@ def _fp4_gemm(
         acc_g = tl.zeros([BLOCK_N, G], dtype=tl.float32)
         for kb0 in range(kb_lo, kb_hi, G * 16):
             lo, hi, sc = _fp4_tile(w_ptr, s_ptr, w_rows, n_ok, kb0, K, G)
-            xe, xo = _x_halves(x_ptr, row_off, m_ok, kb0, K, G)  # [1, G, 16]
+            xe, xo = _x_halves(x_ptr, row_off, m_ok, kb0, K, G, X_PAIRS)  # [1, G, 16]
             xe, xo = tl.sum(xe, axis=0), tl.sum(xo, axis=0)  # [G, 16]
             acc_g += tl.sum(lo * xe[None] + hi * xo[None], axis=2) * 16384.0 * sc
         return acc + tl.sum(acc_g, axis=1)[None, :]
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # SWAP: W · xᵀ, transposed once at the end
     for kb0 in range(kb_lo, kb_hi, G * 16):
         lo, hi, sc = _fp4_tile(w_ptr, s_ptr, w_rows, n_ok, kb0, K, G)
-        xe, xo = _x_halves(x_ptr, row_off, m_ok, kb0, K, G)  # [BLOCK_M, G, 16]
+        xe, xo = _x_halves(x_ptr, row_off, m_ok, kb0, K, G, X_PAIRS)  # [BLOCK_M, G, 16]
         if BLOCK_M >= 16:
             sc = sc[:, :, None]  # the 2^14 first: 2^(s - 127 + 14) may overflow where the product does not
             wl = tl.reshape(lo * 16384.0 * sc, (BLOCK_N, G * 16))
@@ -179,6 +188,7 @@ def _fp4_up_kernel(
     HALF_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     SWAP: tl.constexpr,
+    X_PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     G: tl.constexpr,
@@ -203,13 +213,13 @@ def _fp4_up_kernel(
             both = e.to(tl.int64) * 2 * INTER + (j // BLOCK_N) * INTER + c2  # [2 BLOCK_N] rows of the stack
             h = _fp4_gemm(tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32), x_ptr, x_off, row_ok, w13_ptr,
                           s13_ptr, both, c2 < INTER, kb_lo, kb_hi,
-                          HIDDEN, G, BLOCK_M, 2 * BLOCK_N, HALF_DOT, IEEE, SWAP)  # [BLOCK_M, 2 BLOCK_N]
+                          HIDDEN, G, BLOCK_M, 2 * BLOCK_N, HALF_DOT, IEEE, SWAP, X_PAIRS)  # [BLOCK_M, 2 BLOCK_N]
             gate, up = tl.split(tl.permute(tl.reshape(h, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
         else:
             gate = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows, col_ok, kb_lo, kb_hi,
-                             HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
+                             HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP, X_PAIRS)
             up = _fp4_gemm(zero, x_ptr, x_off, row_ok, w13_ptr, s13_ptr, gate_rows + INTER, col_ok, kb_lo, kb_hi,
-                           HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
+                           HIDDEN, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP, X_PAIRS)
         ok = row_ok[:, None] & col_ok[None, :]
         if SPLIT == 1:
             tl.store(act_ptr + rows[:, None].to(tl.int64) * INTER + cols[None, :],
@@ -265,6 +275,7 @@ def _fp4_down_kernel(
     HALF_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     SWAP: tl.constexpr,
+    X_PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     G: tl.constexpr,
@@ -281,7 +292,7 @@ def _fp4_down_kernel(
         w_rows = e.to(tl.int64) * HIDDEN + cols  # rows of the [E·H, I/2] stack
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc = _fp4_gemm(acc, act_ptr, rows.to(tl.int64) * INTER, row_ok, w2_ptr, s2_ptr, w_rows, col_ok,
-                        kb_lo, kb_hi, INTER, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP)
+                        kb_lo, kb_hi, INTER, G, BLOCK_M, BLOCK_N, HALF_DOT, IEEE, SWAP, X_PAIRS)
         wt = tl.load(weight_ptr + pair, mask=row_ok, other=0.0)  # [BLOCK_M]
         dst = out_ptr + (tl.program_id(2) * num_pairs + pair[:, None]) * HIDDEN + cols[None, :]
         tl.store(dst, acc * wt[:, None], mask=row_ok[:, None] & col_ok[None, :])
@@ -297,6 +308,7 @@ class Fp4Config:
     split_k: int = 1  # K splits of both projections (more programs at small P); partial sums added in order
     swap: bool = False  # tl.dot path only: W · xᵀ (weight rows on the MMA's M side, the few x rows on N)
     fuse_gate_up: bool = False  # up projection: gate and up rows in one 2·block_n tile, one pass over K
+    x_pairs: bool = False  # x tiles as one contiguous load split into even / odd columns in registers
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "groups", "split_k"):
@@ -308,15 +320,16 @@ class Fp4Config:
 
 
 def fp4_config(num_pairs: int, interpreter: bool) -> Fp4Config:
-    """Untuned first choices (no H200 sweep yet): one row per program while pairs rarely share
-    an expert (decode), tensor-core tiles once experts hold tens of rows."""
+    """The H200 sweep's best at the V4-Flash expert shapes (E = 256, H = 4096, I = 2048; `.dev/gpu_K.sh`,
+    NOTES.md): FMA rows split 4 ways over K for decode (P = 6 and 48), 16-row tensor-core tiles at P = 384,
+    64-row W · xᵀ tiles for prefill (P = 12288). The P boundaries between those points are not measured."""
     if interpreter:
         return Fp4Config(block_m=1 if num_pairs <= 8 else 16, block_n=16, groups=1, num_stages=1)
     if num_pairs <= 128:
-        return Fp4Config(block_m=1, block_n=32, groups=4)
-    if num_pairs <= 1024:
-        return Fp4Config(block_m=4, block_n=32, groups=4)
-    return Fp4Config(block_m=64, block_n=64, groups=4, num_warps=4, num_stages=3)
+        return Fp4Config(block_m=1, block_n=64, groups=4, num_warps=4, num_stages=1, split_k=4)
+    if num_pairs <= 2048:
+        return Fp4Config(block_m=16, block_n=64, groups=4, num_warps=4, num_stages=3)
+    return Fp4Config(block_m=64, block_n=128, groups=4, num_warps=8, num_stages=3, swap=True)
 
 
 def moe_experts_fp4(
@@ -365,8 +378,8 @@ def moe_experts_fp4(
     act = torch.empty(P, I, device=x.device, dtype=act_dtype)  # sorted rows
     grid_m = min(P, triton.cdiv(P, bm) + E)
     e_p = max(next_pow2(E), 2)
-    common = dict(HALF_DOT=half_dot, IEEE=ieee, SWAP=cfg.swap, BLOCK_M=bm, BLOCK_N=cfg.block_n, G=cfg.groups,
-                  E_P=e_p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(HALF_DOT=half_dot, IEEE=ieee, SWAP=cfg.swap, X_PAIRS=cfg.x_pairs, BLOCK_M=bm,
+                  BLOCK_N=cfg.block_n, G=cfg.groups, E_P=e_p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     split_up, chunk_up = _k_split(H, cfg)
     part = act if split_up == 1 else torch.empty(split_up, P, 2 * I, device=x.device)  # fp32 partial sums
     _fp4_up_kernel[(grid_m, triton.cdiv(I, cfg.block_n), split_up)](
