@@ -31,14 +31,30 @@ class FakeScheduler:
         return []
 
 
+class FakeGraphs:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def run(self):  # a graph replay
+        self.clock.now += 6e-6
+
+
 class FakeRunner:
     device = SimpleNamespace(type="cpu")
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
 
+        self.graphs = FakeGraphs(clock)
+        self.num_calls = 0
+
+    def forward(self):
+        self.clock.now += 6e-6
+
     def execute(self):
-        self.clock.now += 30e-6  # pack and launch
+        self.clock.now += 24e-6  # pack and launch
+        self.num_calls += 1
+        (self.forward if self.num_calls % 2 else self.graphs.run)()  # eager on odd steps, a graph on even ones
         d = step_io.Download()
         d.fetch()  # the copy back: patched to take 50 us below
         return None
@@ -93,6 +109,9 @@ def test_profiler_arithmetic_and_detach(monkeypatch):
     ph = s["phase_us_per_step"]
     assert ph["schedule"] == pytest.approx(10) and ph["commit"] == pytest.approx(20)
     assert ph["other"] == pytest.approx(4, abs=0.2) and ph["outside"] == pytest.approx(100, abs=0.2)
+    assert s["graph_replays_per_step"] == 0.5 and s["eager_forwards_per_step"] == 0.5
+    assert s["eager_us_per_step"] == pytest.approx(3, abs=0.1)  # 6 us on every other step
+    assert "forward" not in vars(engine.runner) and "run" not in vars(engine.runner.graphs)
 
 
 def test_profile_host_on_the_demo(tmp_path, capsys):

@@ -80,7 +80,10 @@ COLUMNS = [("setting", "setting", "{}"), ("concurrency", "conc", "{}"), ("tok_s_
 
 # `bench offline --profile-host` (`sparkspec.bench.host_profile`): shown where every row has them
 PROFILE_COLUMNS = [("host_us_per_step", "host us/step", "{:.0f}"), ("host_us_per_req", "host us/req", "{:.1f}"),
-                   ("device_wait_frac", "dev wait", "{:.2f}"), ("device_busy_frac", "dev busy", "{:.2f}")]
+                   ("device_wait_frac", "dev wait", "{:.2f}"), ("device_busy_frac", "dev busy", "{:.2f}"),
+                   ("graph_replays_per_step", "graphs/step", "{:.2f}"),
+                   ("eager_forwards_per_step", "eager/step", "{:.2f}"),
+                   ("eager_us_per_step", "eager us/step", "{:.0f}")]
 
 
 def table_head(names) -> str:

@@ -16,6 +16,9 @@ Definitions (per concurrency level; `steps` = `LLMEngine.step` calls that schedu
                         and busy = time in `execute` / wall.
   * phases              us per step in each wrapped piece, `other` = the rest of `step`, `outside` = the caller's
                         loop between steps (adding requests, reading outputs)
+  * forwards            per step: graph replays (`graph_replays`, a split step replays several) and eager forwards
+                        (`eager_forwards`, with `eager_us`: host us per step inside them, where launch-bound eager
+                        steps show up; both inside `execute`)
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class HostProfiler:
         self.num_scheduled = 0  # sum over steps of the requests scheduled
         self.step_seconds = 0.0
         self.events: list = []  # (start, end) CUDA event pairs, one per execute
+        self.num_replays = 0
+        self.num_eager = 0
+        self.eager_seconds = 0.0
         self._cuda = False
 
     def _timed(self, phase: str, fn: Callable) -> Callable:
@@ -106,7 +112,27 @@ class HostProfiler:
 
             return execute
 
+        def counted(kind: str):
+            def make(fn):
+                def run(*args, **kwargs):
+                    t0 = self.clock()
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        if kind == "eager":
+                            self.num_eager += 1
+                            self.eager_seconds += self.clock() - t0
+                        else:
+                            self.num_replays += 1
+
+                return run
+
+            return make
+
         self._last_scheduled = 0
+        runner = getattr(engine, "runner", None)
+        wrap(runner, "forward", counted("eager"))
+        wrap(getattr(runner, "graphs", None), "run", counted("graph"))
         wrap(engine, "step", step_wrapper)
         wrap(engine.scheduler, "schedule", schedule_wrapper)
         wrap(engine.scheduler, "release_after_step", lambda f: self._timed("release", f))
@@ -151,4 +177,7 @@ class HostProfiler:
             "device_busy_frac": round(min(busy / wall, 1.0), 4),
             "device_busy_method": "cuda-events" if self._cuda and self.events else "execute-time",
             "phase_us_per_step": phases,
+            "graph_replays_per_step": round(self.num_replays / n, 2),
+            "eager_forwards_per_step": round(self.num_eager / n, 2),
+            "eager_us_per_step": round(1e6 * self.eager_seconds / n, 1),
         }
