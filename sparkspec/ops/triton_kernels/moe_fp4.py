@@ -20,6 +20,13 @@ Two inner products by BLOCK_M (constexpr):
   bandwidth, and tensor-core tiles of 16 rows would waste 15/16 of the dequantisation;
 * BLOCK_M >= 16: `tl.dot` on the dequantised tile (bf16 operands for bf16 x on a GPU: e2m1 · 2^k is exact in
   bf16 away from its subnormals), the activations stored in x.dtype (as the native rounds them).
+Knobs (`Fp4Config`, chosen per P by `fp4_config` from the H200 sweep in NOTES.md):
+* split_k: K split in whole K steps over grid axis 2 (programs for decode, where E·N blocks leave SMs idle);
+  partial sums in [split, P, ·] fp32, added in split order (deterministic) by `_swiglu_splits_kernel` for the
+  up projection and by the Σ over slots for the down one: one more launch, a count fixed by the shapes;
+* swap: the dot as W · xᵀ (weight rows on the MMA's M side) for few rows per expert;
+* fuse_gate_up: gate and up rows as one 2·BLOCK_N tile, one K loop (x read once, twice the bytes in flight);
+* x_pairs: x tiles as one contiguous load split into even / odd columns in registers (vector loads).
 No host sync; the launch count and torch ops depend on the shapes only.
 """
 
