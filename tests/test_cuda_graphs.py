@@ -18,9 +18,6 @@ from sparkspec.sampling_params import SamplingParams
 from sparkspec.spec_decode.methods import SPEC_METHODS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-# A near-tie in bf16: the tiny model's logits reach ~15, where one bf16 ulp is 2**-4, so 8 ulps; a token taken by
-# a broken step is typically several units below the best (the logits' std is ~4)
-BF16_TIE = 8 * 2**-4
 LENGTHS = [3, 9, 17, 30, 5]  # 5 requests: padded to the captured size 8
 
 
@@ -161,36 +158,31 @@ def test_static_steps_keep_seeded_sampling(method, filtered):
 @pytest.mark.parametrize("method", ["none", "dspark", "mtp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_equal_eager(method, dtype):
-    """Captured graphs replay the eager step: the same greedy tokens in fp32. In bf16 the padded graph batch and
-    the dynamic eager batch are GEMMs of other shapes, so their logits differ by bf16 rounding and greedy may take
-    the other of two near-tied tokens (the sequences then part for good): where a sequence departs from eager,
-    the graph's token must be near-tied with eager's in eager's own scores of that step (its logprobs)."""
+    """Captured graphs replay the eager step. fp32: the same greedy (and seeded sampled) tokens as the dynamic eager
+    steps. bf16: the padded graph batch and the dynamic eager batch are GEMMs of other shapes, so their logits
+    differ by bf16 rounding, and through the indexer's top-k (a discrete choice) a prompt's state can differ by
+    more than a rounding before any token does: there the graphs must give exactly the tokens of the same static,
+    padded steps run eagerly (the same kernels on the same shapes)."""
     cfg, model, tensors = tiny_setup()
     model = copy.deepcopy(model).to("cuda", dtype).keep_fp32()
     prompts = mixed_prompts(cfg.vocab_size, LENGTHS, seed=6)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
 
-    def outputs(eager: bool, p):
+    def run(eager: bool, p=params, static: bool = False):
         c = EngineConfig(max_num_seqs=8, speculative=method, num_spec_tokens=3 if method != "none" else None,
                          spec_budget="fixed", enforce_eager=eager)
         eng = LLMEngine(model, None, c, tensors)
         assert (eng.runner.graphs is None) == eager
-        return eng.generate(prompts, p)
+        if static:
+            k = eng.spec.num_spec_tokens if eng.spec else 0
+            eng.runner.use_graphs(c.max_num_seqs, eng.max_model_len, k, eager=True,
+                                  max_num_batched_tokens=c.max_num_batched_tokens)
+        return [o.token_ids for o in eng.generate(prompts, p)]
 
-    def run(eager: bool):
-        return [o.token_ids for o in outputs(eager, params)]
-
-    eager, graphs = run(True), run(False)
+    graphs = run(False)
     if dtype == torch.float32:
-        assert graphs == eager
-        params = sampled_params(filtered=True)  # sampled modes (the filter mode is captured on first use)
-        assert run(False) == run(True)
-    else:  # eager again, with its scores: logprobs of greedy rows are the log-softmax of the raw logits
-        scored = outputs(True, SamplingParams(max_tokens=20, ignore_eos=True, logprobs=20))
-        for g, o in zip(graphs, scored):
-            e = o.token_ids
-            assert len(g) == len(e) == params.max_tokens
-            j = next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), None)
-            if j is not None:  # a logprob difference is the logit difference of the same row
-                scores = o.logprobs[j]  # {token: logprob}: eager's token and its 20 best
-                assert g[j] in scores and scores[e[j]] - scores[g[j]] <= BF16_TIE, (j, scores)
+        assert graphs == run(True)
+        sampled = sampled_params(filtered=True)  # sampled modes (the filter mode is captured on first use)
+        assert run(False, sampled) == run(True, sampled)
+    else:
+        assert graphs == run(True, static=True)

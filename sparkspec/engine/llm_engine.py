@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparkspec.engine.block_manager import BlockManager, hit_granularity
-from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.config import EngineConfig, apply_batch_invariant
 from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.kv_plan import KVCachePlan, plan_kv_cache
 from sparkspec.engine.model_runner import ModelRunner
@@ -104,6 +104,7 @@ class LLMEngine:
         """`proposer`: a ready drafter (a `sparkspec.spec_decode.Proposer`: device or host) to use instead of
         building `config.speculative`'s."""
         self.config = config = config or EngineConfig()
+        apply_batch_invariant(config)  # before anything runs or is captured
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.cfg
