@@ -161,6 +161,8 @@ class ModelRunner:
         H200 demo pair (an eager DSpark step: target, sampler and drafter as separate launches; an eager prefill
         of 1,024 tokens: ~20 ms of host launches against ~2 ms on the device); in a closed loop a request joins
         every few steps."""
+        if [it.num_tokens for it in items].count(1) == len(items):  # (a list: cheaper than a generator)
+            return None  # decode rows only (the common step: no per-item checks), or a 1-token chunk among them
         decode, short, rest = [], [], []
         for i, it in enumerate(items):
             if it.num_tokens == 1 and it.samples:
