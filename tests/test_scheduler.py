@@ -36,6 +36,7 @@ def run_step(sched, accept=0):
             extra = min(accept, s.num_lookahead)
             sq.num_cached_tokens += extra
             sq.output_ids += [7] * (1 + extra)
+            sq.spec.draft_ids = [7] * sched.config.num_lookahead_tokens  # a drafter that always proposes k
             if len(sq.output_ids) >= sq.params.max_tokens:
                 del sq.output_ids[sq.params.max_tokens:]
                 sq.num_cached_tokens = min(sq.num_cached_tokens, sq.num_tokens - 1)
@@ -248,3 +249,19 @@ def test_unsplit_prompts_wait_whole_for_the_next_step():
     lone = make(**cfg)
     lone.add(seq(7, 16))
     assert [it.num_tokens for it in lone.schedule().scheduled] == [16]  # an empty step takes it whole
+
+
+def test_rows_without_drafts_reserve_no_lookahead():
+    """Only a row that holds drafts reserves verify slots (as many as it holds): rows whose drafter skipped the
+    step cost the budget one token, so plain-arm steps of a speculative engine fit as many rows as plain decoding."""
+    sched = make(num_lookahead_tokens=7, max_num_batched_tokens=16, max_num_seqs=16)
+    seqs = [seq(i, prompt_len=1, max_tokens=20) for i in range(12)]
+    for s in seqs:
+        sched.add(s)
+    run_step(sched)  # the 12 one-token prompts, each gets its first token and 7 drafts
+    for s in seqs[2:]:
+        s.spec.draft_ids = []  # the drafter skipped them
+    seqs[1].spec.draft_ids = [3, 4]  # two drafts only
+    out = sched.schedule()
+    assert [(it.seq.seq_id, it.num_lookahead) for it in out.scheduled] == [(0, 7), (1, 2)] + [
+        (i, 0) for i in range(2, 7)]  # 8 + 3 + 5 rows = 16

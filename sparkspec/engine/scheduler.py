@@ -132,11 +132,14 @@ class Scheduler:
 
     # ---- one step ----
     def lookahead_for(self, seq: Sequence, budget: int) -> int:
-        """Draft slots for a decode row: k_max (or the request's own cap), but no more than the tokens the request
-        may still produce."""
+        """Draft slots for a decode row: the drafts it holds, at most k_max (or the request's own cap), and no
+        more than the tokens the request may still produce. A row that holds no drafts (the drafter skipped the
+        last step: the adaptive budget's plain arm, or nothing to propose) reserves none, so it costs the token
+        budget one row, not 1 + k: at c = 256 with k = 7 and a 1,024-token budget, reserving k for every row
+        capped a step at 128 decode rows whichever arm ran."""
         # verifying the pending token + l drafts yields up to l + 1 new tokens
         room = min(seq.params.max_tokens - len(seq.output_ids), self.config.max_model_len - seq.num_tokens) - 1
-        k = self.config.num_lookahead_tokens
+        k = min(self.config.num_lookahead_tokens, len(seq.spec.draft_ids))
         return max(0, min(k, k if seq.spec_cap is None else seq.spec_cap, room, budget))
 
     def schedule(self) -> SchedulerOutput:
