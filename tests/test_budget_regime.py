@@ -148,3 +148,28 @@ def test_fixed_mode_and_transitions():
     assert budget.step_times.seconds(8, "spec") == pytest.approx(0.002)
     with pytest.raises(ValueError, match="probe_len"):
         VerificationBudget("adaptive", K, flat_table(), probe_len=1)
+
+
+def test_arms_that_schedule_different_request_counts_compare_produced_tokens():
+    """At c = 256 under a token budget, a drafting step reserves 1 + k rows per request and so runs only half of
+    the requests, while a plain step runs all of them. The budget buckets both arms by the requests the engine
+    runs and compares the tokens each arm produced per second: plain (256 tokens / 7.9 ms) beats drafting
+    (128 requests x ~3 tokens / 20 ms), although per scheduled request drafting looks ahead."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    accepting(budget, 2)
+    running, ks, proposed = 256, [], 0
+    for _ in range(200):
+        budget.step_boundary()
+        scheduled = running // 2 if proposed else running  # the budget's cap on 1 + k rows per request
+        k = budget.next_num_drafts(scheduled, scheduled, running)
+        budget.note_step(running, scheduled * proposed, k)
+        clock.now += 0.020 if proposed else 0.0079
+        budget.note_tokens(scheduled * 3 if proposed else scheduled)
+        ks.append(k)
+        proposed = k
+    assert budget.measured(running)
+    theta = budget.modelled_throughput(running, running, running)
+    assert theta["plain"] == pytest.approx(256 / 0.0079) and theta["spec"] == pytest.approx(128 * 3 / 0.020)
+    tail = ks[100:]
+    assert sum(k > 0 for k in tail) / len(tail) < 0.15, "plain decoding, only probes draft"

@@ -28,8 +28,11 @@ adaptive ran at 0.45x plain decoding.
 So the regime decision ("propose and verify drafts" = arm `spec`, or "plain decoding" = arm `plain`) reads the
 wall time the engine actually sees: `StepTimes` keeps, per request-count bucket and arm, the (trimmed) mean of the
 last intervals between the starts of consecutive steps (everything the engine and its caller do per step), and
-    Theta_plain = R / T_plain(R),   Theta_spec = tau_spec(R) / T_spec(R)
-with tau_spec from the online acceptance estimate (R (1 + sum_j a_j) on padded steps). The choice is the argmax.
+    Theta_arm = produced tokens / seconds over the arm's samples (the engine tells each step's tokens),
+else Theta_plain = R / T_plain(R), Theta_spec = tau_spec(R) / T_spec(R) with tau_spec from the online acceptance
+estimate (R (1 + sum_j a_j) on padded steps). The choice is the argmax. The engine buckets steps by the requests
+it runs, not by those a step schedules: under the token budget a drafting step (1 + k rows per request) may
+schedule fewer requests than a plain one at the same concurrency, and the two arms must meet in one bucket.
 Until both arms of a bucket are observed, the cost table decides (as before), and short probes of the arm not
 chosen (a few steps every `probe_every` decisions) keep both arms' times and the acceptance estimate fresh. The
 regime decision reads past steps only, never the drafts at hand, so verification stays lossless.
@@ -189,7 +192,8 @@ def bucket_of(num_reqs: int) -> int:
 
 class StepTimes:
     """Wall seconds per engine step, per (request-count bucket, arm): the mean of the last `window` samples
-    without the largest one once there are `min_trim` (deterministic given the samples).
+    without the largest one once there are `min_trim` (deterministic given the samples). Where the engine also
+    tells a step's produced tokens, `throughput` is the arm's tokens / seconds over the same samples.
 
     A mean, not a median: what an arm costs is its total time over its steps, and some costs recur on a
     fraction of the steps only. In a closed loop a request joins every few steps, and before mixed steps were
@@ -204,11 +208,14 @@ class StepTimes:
         self.min_trim = min_trim
         self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
         self.samples: dict[tuple[int, Arm], deque[float]] = {}
+        self.tokens: dict[tuple[int, Arm], deque[int | None]] = {}  # the same samples' produced tokens
 
-    def observe(self, num_reqs: int, arm: Arm, seconds: float) -> None:
+    def observe(self, num_reqs: int, arm: Arm, seconds: float, tokens: int | None = None) -> None:
         if not 0.0 < seconds <= self.max_seconds:
             return
-        self.samples.setdefault((bucket_of(num_reqs), arm), deque(maxlen=self.window)).append(seconds)
+        key = (bucket_of(num_reqs), arm)
+        self.samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        self.tokens.setdefault(key, deque(maxlen=self.window)).append(tokens)
 
     def count(self, num_reqs: int, arm: Arm) -> int:
         return len(self.samples.get((bucket_of(num_reqs), arm), ()))
@@ -221,6 +228,18 @@ class StepTimes:
         if len(d) >= self.min_trim:
             return (total - max(d)) / (len(d) - 1)
         return total / len(d)
+
+    def throughput(self, num_reqs: int, arm: Arm) -> float | None:
+        """Produced tokens per second of the arm's samples (the longest dropped, as in `seconds`); None unless
+        every sample has its tokens."""
+        key = (bucket_of(num_reqs), arm)
+        d, toks = self.samples.get(key), self.tokens.get(key)
+        if not d or any(t is None for t in toks):
+            return None
+        pairs = list(zip(d, toks))
+        if len(pairs) >= self.min_trim:
+            pairs.remove(max(pairs))
+        return math.fsum(t for _, t in pairs) / max(math.fsum(s for s, _ in pairs), 1e-12)
 
 
 @dataclass
@@ -273,7 +292,8 @@ class VerificationBudget:
         self._probes: dict[int, _Probe] = {}
         self._proposing = False  # the last `next_num_drafts` asked for drafts: padded steps verify them all
         self._step_start: float | None = None
-        self._last_step: tuple[int, bool, bool] | None = None  # (requests, verified any, proposed any)
+        self._last_step: tuple[int, bool, bool] | None = None  # (bucket requests, verified any, proposed any)
+        self._last_tokens: int | None = None  # tokens the step in progress produced (`note_tokens`)
 
     # ---- whole-step wall time ----
     def step_boundary(self) -> None:
@@ -283,12 +303,21 @@ class VerificationBudget:
         if self._step_start is not None and self._last_step is not None:
             num_reqs, verified, proposed = self._last_step
             if verified == proposed:
-                self.step_times.observe(num_reqs, "spec" if verified else "plain", now - self._step_start)
-        self._step_start, self._last_step = now, None
+                self.step_times.observe(num_reqs, "spec" if verified else "plain", now - self._step_start,
+                                        self._last_tokens)
+        self._step_start, self._last_step, self._last_tokens = now, None, None
 
     def note_step(self, num_reqs: int, num_verified: int, num_proposed: int) -> None:
-        """What the step that `step_boundary` opened does: sampling requests, drafts verified, drafts to propose."""
+        """What the step that `step_boundary` opened does: its bucket's request count (the requests the engine
+        runs, or those that sample), drafts verified, drafts to propose."""
         self._last_step = (num_reqs, num_verified > 0, num_proposed > 0)
+
+    def note_tokens(self, num_tokens: int) -> None:
+        """Tokens the step in progress produced (after its commit). With them the measured arms compare tokens
+        per second as produced, which also holds where the arms schedule different request counts: a drafting
+        step reserves 1 + k rows per request, so under the token budget it may run fewer requests than a plain
+        step at the same concurrency."""
+        self._last_tokens = num_tokens
 
     # ---- modelled throughput ----
     def speculation_pays(self, num_reqs: int) -> bool:
@@ -317,20 +346,29 @@ class VerificationBudget:
         """Both arms of this request count's bucket have enough wall-time samples to replace the cost table."""
         return all(self.step_times.count(num_reqs, arm) >= self.min_samples for arm in ARMS)
 
-    def modelled_throughput(self, num_reqs: int, num_base_tokens: int | None = None) -> dict[Arm, float]:
-        """Expected tokens per second of each arm at `num_reqs` sampling requests: measured wall times where
-        `measured`, else the cost table's. The spec arm is worth 0 where the table verifies no draft."""
-        return self._model(num_reqs, num_reqs if num_base_tokens is None else num_base_tokens)[0]
+    def modelled_throughput(self, num_reqs: int, num_base_tokens: int | None = None, num_running: int | None = None
+                            ) -> dict[Arm, float]:
+        """Expected tokens per second of each arm at `num_reqs` sampling requests (measurements bucketed by
+        `num_running`, default num_reqs): measured where `measured`, else the cost table's. The spec arm is worth 0
+        where the table verifies no draft."""
+        return self._model(num_reqs, num_reqs if num_base_tokens is None else num_base_tokens, num_running)[0]
 
-    def _model(self, num_reqs: int, num_base_tokens: int) -> tuple[dict[Arm, float], int]:
+    def _model(self, num_reqs: int, num_base_tokens: int, num_running: int | None = None
+               ) -> tuple[dict[Arm, float], int]:
         """-> (Theta per arm, k of the spec arm: every draft on padded steps, else what Algorithm 1 would verify,
-        at least 1). One pass over the cost table (Algorithm 1 over R x k items where steps are not padded)."""
+        at least 1). One pass over the cost table (Algorithm 1 over R x k items where steps are not padded).
+        `num_running`: the bucket's request count (default: num_reqs)."""
         k, tau, spec_s, plain_s = self.static_plan(num_reqs, num_base_tokens)
-        if self.measured(num_reqs):
-            spec_s, plain_s = self.step_times.seconds(num_reqs, "spec"), self.step_times.seconds(num_reqs, "plain")
+        k_spec = self.num_spec_tokens if self.padded else max(k, 1)
+        key = num_reqs if num_running is None else num_running
+        if self.measured(key):
+            rates = {arm: self.step_times.throughput(key, arm) for arm in ARMS}
+            if all(r is not None for r in rates.values()):  # produced tokens per second, as measured
+                return {"plain": rates["plain"], "spec": rates["spec"] if k else 0.0}, k_spec
+            spec_s, plain_s = self.step_times.seconds(key, "spec"), self.step_times.seconds(key, "plain")
         theta: dict[Arm, float] = {"plain": num_reqs / max(plain_s, 1e-9),
                                    "spec": tau / max(spec_s, 1e-9) if k else 0.0}
-        return theta, (self.num_spec_tokens if self.padded else max(k, 1))
+        return theta, k_spec
 
     def plan_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
         """The modelled choice, no probes, no state: k if the spec arm's Theta beats plain decoding, else 0
@@ -340,21 +378,22 @@ class VerificationBudget:
         theta, k = self._model(num_reqs, num_base_tokens)
         return k if theta["spec"] > theta["plain"] else 0
 
-    def next_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
+    def next_num_drafts(self, num_reqs: int, num_base_tokens: int, num_running: int | None = None) -> int:
         """Once per engine step: `plan_num_drafts`, except during a probe of the other arm. A probe starts every
         `probe_every` decisions of a bucket (twice that where one arm is > 25 % ahead), or right away (up to
         `max_first_probes` times) while the arm has fewer than `min_samples` samples; it lasts `probe_len`
-        decisions."""
+        decisions. `num_running`: the request count that buckets the measurements (`note_step`'s)."""
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
-        theta, k_spec = self._model(num_reqs, num_base_tokens)
+        key = num_reqs if num_running is None else num_running
+        theta, k_spec = self._model(num_reqs, num_base_tokens, key)
         best: Arm = "spec" if theta["spec"] > theta["plain"] else "plain"
-        st = self._probes.setdefault(bucket_of(num_reqs), _Probe())
+        st = self._probes.setdefault(bucket_of(key), _Probe())
         st.num_decisions += 1
         if not st.left:
             other: Arm = "plain" if best == "spec" else "spec"
             since = st.num_decisions - st.last_start
-            unseen = self.step_times.count(num_reqs, other) < self.min_samples
+            unseen = self.step_times.count(key, other) < self.min_samples
             margin = theta[best] / max(theta[other], 1e-9)
             every = self.probe_every * (2 if margin > 1.25 else 1)  # a clear loser is probed half as often
             if since >= every or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):

@@ -239,11 +239,13 @@ class LLMEngine:
             return []
         items = sched.scheduled
         drafts, rows = self.spec.choose(items) if self.spec else ([[] for _ in items], [-1] * len(items))
-        k_next = self.spec.num_drafts_to_propose(items, self.stats) if self.spec else 0
+        k_next = self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running)) if self.spec else 0
         masks = self.grammar_masks(items, drafts, rows)
         result = self.runner.execute(items, drafts, self.spec.draft_probs if self.spec else None, rows, k_next,
                                      masks)
         produced = self.commit(items, drafts, result, k_next)
+        if self.spec is not None:
+            self.spec.note_tokens(sum(map(len, produced.values())))
         self.stats.num_finished += len(self.scheduler.release_after_step())  # their blocks, rejected drafts' blocks
         return self.emit(items, produced)
 

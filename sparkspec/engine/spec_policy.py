@@ -70,16 +70,22 @@ class SpecPolicy:
         """Most drafts `seq` may verify: the engine's k, or less when the request asks (`num_spec_tokens`)."""
         return self.num_spec_tokens if seq.spec_cap is None else min(seq.spec_cap, self.num_spec_tokens)
 
-    def num_drafts_to_propose(self, items: list[ScheduledSeq], stats=None) -> int:
-        """k for the next step: drafts to propose at the end of this step (0: the drafter is not called)."""
+    def num_drafts_to_propose(self, items: list[ScheduledSeq], stats=None, num_running: int | None = None) -> int:
+        """k for the next step: drafts to propose at the end of this step (0: the drafter is not called).
+        `num_running`: the requests the engine runs (buckets the budget's measurements; default: those sampling)."""
         num_sampling = sum(1 for it in items if it.samples)
-        k = self.budget.next_num_drafts(num_sampling, num_sampling) if num_sampling else 0
-        self.budget.note_step(num_sampling, self._num_verified, k)
+        key = num_sampling if num_running is None else max(num_running, 1)
+        k = self.budget.next_num_drafts(num_sampling, num_sampling, key) if num_sampling else 0
+        self.budget.note_step(key, self._num_verified, k)
         if num_sampling and k == 0 and stats is not None:
             stats.num_drafter_skipped_steps += 1
         return k
 
     # ---- after the step ----
+    def note_tokens(self, num_tokens: int) -> None:
+        """Tokens the step produced (every request's, after the stop checks): the budget's measured throughput."""
+        self.budget.note_tokens(num_tokens)
+
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int, stats=None) -> None:
         if not num_drafts:
             return
