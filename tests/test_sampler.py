@@ -561,3 +561,31 @@ def test_finiteness_checks_add_no_host_sync():
         RejectionSampler().verify(logits, drafts, q, st, pos)
         sample_draft(logits[:, 0], st, pos, STREAM_DRAFT)
     assert len(log.ops) > 50 and syncs(log) == []
+
+
+def test_indexed_draft_probs_equal_the_dense_q():
+    """The sampler reading q rows in place (`IndexedDraftProbs`: the drafter's q store by row, one-hot where the
+    row is -1) gives exactly the tokens of the dense [R, K, V] q it replaces, for accepted, rejected, bonus and
+    greedy rows, with and without padded drafts."""
+    from sparkspec.spec_decode.rejection import IndexedDraftProbs, RejectionSampler
+
+    params = mixed_params()
+    R, K, V, N = len(params), 3, 12, 9
+    g = torch.Generator().manual_seed(3)
+    store = torch.softmax(torch.randn(N, K + 1, V, generator=g) * 2, -1).to(DEVICE)  # k = K + 1 >= K
+    rows = torch.tensor([4, -1, 0, 8, -1, 2, 5], device=DEVICE)
+    sampler, st = RejectionSampler(), sampling_tensors(params, DEVICE, [50 + i for i in range(R)])
+    for trial in range(20):
+        logits = (torch.randn(R, K + 1, V, generator=g) * 2).to(DEVICE)
+        d = torch.randint(0, V, (R, K), generator=g).to(DEVICE)
+        # a third of the drafts copy the target's argmax so that some are accepted; padding on two rows
+        d = torch.where(torch.rand(R, K, generator=g).to(DEVICE) < 0.4, logits[:, :K].argmax(-1), d)
+        d[1, 2:] = -1
+        d[3, 1:] = -1 if trial % 2 else d[3, 1:]
+        one_hot = torch.zeros(R, K, V, device=DEVICE).scatter_(2, d.clamp(min=0).unsqueeze(2), 1.0)
+        dense = torch.where((rows >= 0).view(R, 1, 1), store[rows.clamp(min=0), :K], one_hot)
+        pos = torch.arange(R, device=DEVICE) * 7 + trial
+        want = sampler.verify(logits, d, dense, st, pos)
+        got = sampler.verify(logits, d, IndexedDraftProbs(store, rows), st, pos)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b), trial

@@ -38,7 +38,7 @@ from sparkspec.ops.sampling import (
     mask_draft_probs,
 )
 from sparkspec.spec_decode.proposer import StepRows
-from sparkspec.spec_decode.rejection import RejectionSampler
+from sparkspec.spec_decode.rejection import IndexedDraftProbs, RejectionSampler
 
 
 @dataclass
@@ -315,15 +315,17 @@ class ModelRunner:
         if bitmask is not None:  # -inf outside each verified row's grammar mask
             logits = apply_token_bitmask(logits, bitmask)
         draft_ids = dev["draft_ids"].view(S, K)
-        q = None
-        if K and not all_greedy:
-            # q of host drafters and greedy drafts: one-hot (a scatter: F.one_hot checks its range on the host)
-            q = logits.new_zeros(S, K, logits.shape[-1]).scatter_(2, draft_ids.clamp(min=0).unsqueeze(2), 1.0)
-            if self.q_store is not None:
-                q_rows = dev["q_rows"]
-                q = torch.where((q_rows >= 0).view(S, 1, 1), self.q_store[q_rows.clamp(min=0), :K], q)
-            if bitmask is not None:  # a sampled draft under a grammar was drawn from q_m (engine/grammar.py)
-                q = mask_draft_probs(q, bitmask[:, :K])
+        q = None  # None: every draft one-hot (host drafters, greedy drafts), which the sampler handles as such
+        if K and not all_greedy and self.q_store is not None:
+            # requests with a q row read it in place; the rest are one-hot: no dense [S, K, V] copy
+            q = IndexedDraftProbs(self.q_store, dev["q_rows"])
+        if K and not all_greedy and bitmask is not None and q is not None:
+            # a sampled draft under a grammar was drawn from q_m (engine/grammar.py): the masked, renormalised q
+            # is dense (eager structured steps only); one-hot drafts stay one-hot (the grammar cut refused ones)
+            one_hot = logits.new_zeros(S, K, logits.shape[-1]).scatter_(2, draft_ids.clamp(min=0).unsqueeze(2), 1.0)
+            q_rows = dev["q_rows"]
+            dense = torch.where((q_rows >= 0).view(S, 1, 1), self.q_store[q_rows.clamp(min=0), :K], one_hot)
+            q = mask_draft_probs(dense, bitmask[:, :K])
         tokens, num_accepted, is_finite = self.sampler.verify(logits, draft_ids, q, st, dev["positions"])
         return tokens, num_accepted, is_finite, st, logits
 

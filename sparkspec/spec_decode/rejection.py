@@ -45,6 +45,8 @@ alone and commits the rest of the batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sparkspec.ops.rng import uniform_at
@@ -58,6 +60,31 @@ from sparkspec.ops.sampling import (
     is_finite_dist,
     probs_for,
 )
+
+
+@dataclass
+class IndexedDraftProbs:
+    """The q of every request's drafts, read where the sampler needs it, never copied out as a dense [R, K, V]:
+    request r's drafts have q = `store[rows[r]]` (the device drafter's exact q of its last proposal), or, where
+    rows[r] < 0 (greedy drafts, host drafters such as n-gram), q one-hot on the drafts (q(d) = 1).
+    Rejection sampling reads q at the drafted tokens ([R, K]) and the rejected draft's whole row ([R, V]) only."""
+
+    store: torch.Tensor  # [N, k, V] fp32, k >= K
+    rows: torch.Tensor  # [R] int64, -1 = one-hot
+
+    def at_drafts(self, d: torch.Tensor) -> torch.Tensor:
+        """q_i(d_i) -> [R, K] (1 on one-hot rows). d: [R, K] ids, clamped to [0, V)."""
+        R, K = d.shape
+        has = self.rows >= 0
+        q = self.store[self.rows.clamp(min=0).unsqueeze(1), torch.arange(K, device=d.device).unsqueeze(0), d]
+        return torch.where(has.unsqueeze(1), q, 1.0)
+
+    def residual(self, p_L: torch.Tensor, at: torch.Tensor, d_at: torch.Tensor) -> torch.Tensor:
+        """max(p_L - q_at, 0) -> [R, V]: q_at = store[rows, at], or one-hot on d_at (p_L without d_at)."""
+        has = self.rows >= 0
+        dense = (p_L - self.store[self.rows.clamp(min=0), at]).clamp(min=0)
+        one_hot = p_L.scatter(1, d_at.unsqueeze(1), 0.0)
+        return torch.where(has.unsqueeze(1), dense, one_hot)
 
 
 class RejectionSampler:
@@ -76,8 +103,8 @@ class RejectionSampler:
         self,
         target_logits: torch.Tensor,  # [R, K+1, V] fp32
         draft_ids: torch.Tensor,  # [R, K] int64, -1 padded: request r's drafts in columns 0..n_r-1
-        draft_probs: torch.Tensor | None,  # [R, K, V] fp32 q_i; None: one-hot drafts (deterministic drafter);
-        # never read on Gumbel rows
+        draft_probs: torch.Tensor | IndexedDraftProbs | None,  # [R, K, V] fp32 q_i, or indexed rows of the
+        # drafter's q store; None: one-hot drafts (deterministic drafter); never read on Gumbel rows
         st: SamplingTensors,  # R requests
         positions: torch.Tensor,  # [R] int64: absolute position of the first verified token (where d_0 sits)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,7 +132,10 @@ class RejectionSampler:
             p = probs_for(target_logits.reshape(R * K1, V), st.repeat_interleave(K1)).view(R, K1, V)
             is_finite = is_finite_dist(target_logits, p)  # [R, K+1]
             p_d = p[:, :K].gather(2, d.unsqueeze(2)).squeeze(2)  # [R, K]
-            q_d = draft_probs.gather(2, d.unsqueeze(2)).squeeze(2) if draft_probs is not None else 1.0
+            if isinstance(draft_probs, IndexedDraftProbs):
+                q_d = draft_probs.at_drafts(d)  # [R, K]
+            else:
+                q_d = draft_probs.gather(2, d.unsqueeze(2)).squeeze(2) if draft_probs is not None else 1.0
             # one RNG call for every stream at every verified position: u[stream, r, i] at offset positions[r] + i
             streams = torch.arange(max(STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TARGET) + 1, device=dev)
             u = uniform_at(st.seeds.view(1, R, 1), positions.view(1, R, 1) + cols, streams.view(-1, 1, 1), 0,
@@ -128,6 +158,8 @@ class RejectionSampler:
             at = L.clamp(max=max(K - 1, 0))  # [R] the rejected draft's column (any column when bonus)
             if K == 0:
                 residual = p_L  # every row is a bonus row
+            elif isinstance(draft_probs, IndexedDraftProbs):
+                residual = draft_probs.residual(p_L, at, d[rows, at])
             elif draft_probs is not None:
                 residual = (p_L - draft_probs[rows, at]).clamp(min=0)
             else:  # q_L one-hot on d_L: max(p_L - q_L, 0) is p_L without d_L
