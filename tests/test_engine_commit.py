@@ -77,7 +77,7 @@ def lean_steps(eng, reqs, emit_unfinished: bool):
         items = [ScheduledSeq(s, 1, len(chunk) - 1) for s, chunk in live]
         drafts = [chunk[1:] for _, chunk in live]  # every draft accepted: the row emits the whole chunk
         rows = {i: SampledRow(len(chunk) - 1, list(chunk), [], None) for i, (_, chunk) in enumerate(live)}
-        outs = eng.emit(items, eng.commit(items, drafts, StepResult(rows, None, {}), 0))
+        outs = eng.emit(items, eng.commit(items, drafts, StepResult(rows, False, {}), 0))
         steps.append({o.request_id[1:]: (o.token_ids, o.text, o.finish_reason, o.token_sources) for o in outs})
         t += 1
 
@@ -143,7 +143,7 @@ def test_the_context_limit_and_a_failed_row(eng):
     eng.emit_unfinished = False
     items = [ScheduledSeq(long, 1, 4), ScheduledSeq(bad, 1, 0)]
     rows = {0: SampledRow(4, ids[:5], [], None), 1: SampledRow(0, [ids[9]], [], None, error=NONFINITE_ERROR)}
-    outs = eng.emit(items, eng.commit(items, [ids[:4], []], StepResult(rows, None, {}), 0))
+    outs = eng.emit(items, eng.commit(items, [ids[:4], []], StepResult(rows, False, {}), 0))
     by_id = {o.request_id: o for o in outs}
     assert by_id["L"].finish_reason == "length" and by_id["L"].token_ids == ids[:3]  # 3 positions were left
     assert by_id["L"].text == tok.decode(ids[:3], skip_special_tokens=True)
@@ -193,7 +193,8 @@ def read_step_oracle(p, host, q_store):
         rows[i] = SampledRow(L[r], emitted, [int(t) for t in nxt[r * k : r * k + keep]],
                              conf[r * k : r * k + keep] if conf else None, lps,
                              None if finite[r] else NONFINITE_ERROR)
-    return StepResult(rows, q_store if k and p.mode != "greedy" else None, {i: r for r, i in enumerate(p.sampling)})
+    return StepResult(rows, q_store is not None and bool(k) and p.mode != "greedy",
+                      {i: r for r, i in enumerate(p.sampling)})
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -225,5 +226,5 @@ def test_read_step_equals_the_per_element_reading(seed, as_numpy):
         host = {name: [np.asarray(x, dtype=np.float64) for x in parts] for name, parts in host.items()}
     got = read_step(p, host, "q")
     assert got.rows == expected.rows and got.draft_row == expected.draft_row
-    assert got.draft_probs == expected.draft_probs
+    assert got.proposed_q == expected.proposed_q
     assert all(type(t) is int for row in got.rows.values() for t in row.token_ids + row.next_drafts)

@@ -168,7 +168,7 @@ def test_markov_chain_drives_greedy_drafts_left_to_right():
                                  SamplingParams(max_tokens=8))
     assert seq.output_ids == [0]
     assert seq.spec.draft_ids == [50, 60, 0, 50]
-    assert eng.spec.draft_probs is None and len(seq.spec.confidences) == 4
+    assert seq.spec.draft_row == -1 and len(seq.spec.confidences) == 4  # greedy drafts: one-hot, no q row
 
 
 def test_sampled_drafts_return_the_exact_markov_corrected_q(drafter):
@@ -181,7 +181,7 @@ def test_sampled_drafts_return_the_exact_markov_corrected_q(drafter):
     prompt = [9, 8, 7, 6, 5, 4, 33, 21]
     eng, seq = prefill_and_draft(model, proposer, prompt,
                                  SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=1))
-    probs, tokens = eng.spec.draft_probs[seq.spec.draft_row], seq.spec.draft_ids
+    probs, tokens = eng.runner.q_store[seq.spec.draft_row], seq.spec.draft_ids
     assert probs.shape == (4, cfg.vocab_size)
     torch.testing.assert_close(probs.sum(-1), torch.ones(4, dtype=probs.dtype))
     assert ((probs > 0).sum(-1) <= 50).all()

@@ -241,8 +241,7 @@ class LLMEngine:
         drafts, rows = self.spec.choose(items) if self.spec else ([[] for _ in items], [-1] * len(items))
         k_next = self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running)) if self.spec else 0
         masks = self.grammar_masks(items, drafts, rows)
-        result = self.runner.execute(items, drafts, self.spec.draft_probs if self.spec else None, rows, k_next,
-                                     masks)
+        result = self.runner.execute(items, drafts, rows, k_next, masks)
         produced = self.commit(items, drafts, result, k_next)
         if self.spec is not None:
             self.spec.note_tokens(sum(map(len, produced.values())))
@@ -261,8 +260,7 @@ class LLMEngine:
             grammar = it.seq.grammar
             if grammar is None or not it.samples:
                 continue
-            sampled = rows[i] >= 0 and self.spec is not None and self.spec.draft_probs is not None \
-                and not it.seq.params.greedy  # an exact q sits in draft_probs row rows[i]
+            sampled = rows[i] >= 0 and not it.seq.params.greedy  # an exact q sits in the runner's q_store row
             redraw = self.grammar_redraw(it, rows[i]) if sampled else None
             drafts[i], num_redrawn = grammar.check_drafts(drafts[i], not sampled, redraw)
             self.stats.num_grammar_redrawn += num_redrawn
@@ -278,7 +276,7 @@ class LLMEngine:
 
         def redraw(i: int, mask: torch.Tensor) -> int | None:
             if not q_host:  # one copy of the request's q rows, on its first redraw of the step
-                q_host.append(self.spec.draft_probs[row].double().cpu())
+                q_host.append(self.runner.q_store[row].double().cpu())
             q = q_host[0][i]
             qm = torch.where(bitmask_allowed(mask, q.shape[-1]), q, 0.0)  # [V]
             if not (qm > 0).any():
@@ -300,8 +298,7 @@ class LLMEngine:
         read before the request ends (`needs_text`)."""
         stats, spec, rows, prompt_lps = self.stats, self.spec, result.rows, result.prompt_logprobs
         stats.num_steps += 1
-        if spec is not None and result.draft_probs is not None:
-            spec.draft_probs = result.draft_probs
+        if spec is not None and result.proposed_q:
             spec.forget_overwritten(self.scheduler.running, {items[i].seq for i in rows})
         produced, host_drafting = {}, []
         num_decode_rows = num_new = 0
@@ -324,7 +321,7 @@ class LLMEngine:
             if spec is not None:
                 spec.record(seq, num_drafts, row.num_accepted, stats)
                 spec.keep(seq, row.next_drafts, row.next_confidences,
-                          result.draft_row[i] if result.draft_probs is not None else -1)
+                          result.draft_row[i] if result.proposed_q else -1)
             if seq.grammar is None and seq.params.max_tokens > 0:
                 new = self.append_tokens(seq, row.token_ids, now)
                 num_new += len(new)

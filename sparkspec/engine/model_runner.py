@@ -124,8 +124,7 @@ class ModelRunner:
         self,
         items: list[ScheduledSeq],
         drafts: list[list[int]],  # per item: draft tokens verified behind its pending token
-        draft_probs: torch.Tensor | None,  # the q of the previous step's drafts (`q_store`), or None (one-hot)
-        draft_rows: list[int],  # per item: its row in draft_probs, -1 = one-hot q (greedy or host drafter)
+        draft_rows: list[int],  # per item: its drafts' row in `q_store`, -1 = one-hot q (greedy or host drafter)
         num_next_drafts: int,  # k for the device drafter at the end of this step (0 = do not draft)
         token_masks: Mapping[int, torch.Tensor] | None = None,  # item -> [n+1, W] int32 grammar bitmask (LazyMasks)
     ) -> StepResult:
@@ -147,9 +146,9 @@ class ModelRunner:
         if self.graphs is not None:
             groups = self.split_mixed(items, max(self.graphs.prefill_lens, default=0), self.graphs.prefill_groups)
             if groups is not None:
-                return self.execute_split(groups, items, drafts, draft_probs, draft_rows, num_next_drafts,
+                return self.execute_split(groups, items, drafts, draft_rows, num_next_drafts,
                                           token_masks)
-        return self.execute_one(items, drafts, draft_probs, draft_rows, num_next_drafts, token_masks)
+        return self.execute_one(items, drafts, draft_rows, num_next_drafts, token_masks)
 
     @staticmethod
     def split_mixed(items: list[ScheduledSeq], max_prefill_len: int = 0,
@@ -179,7 +178,7 @@ class ModelRunner:
         return groups if len(groups) > 1 else None
 
     def execute_split(self, groups: list[list[int]], items: list[ScheduledSeq],
-                      drafts: list[list[int]], draft_probs: torch.Tensor | None, draft_rows: list[int],
+                      drafts: list[list[int]], draft_rows: list[int],
                       num_next_drafts: int, token_masks: Mapping[int, torch.Tensor] | None) -> StepResult:
         """Run each group of items as its own step, decode rows first, and merge the results as one step's.
 
@@ -198,7 +197,7 @@ class ModelRunner:
                 masks = token_masks.subset(group)
             elif token_masks is not None:
                 masks = {j: token_masks[i] for j, i in enumerate(group) if i in token_masks} or None
-            res = self.execute_one([items[i] for i in group], [drafts[i] for i in group], draft_probs,
+            res = self.execute_one([items[i] for i in group], [drafts[i] for i in group],
                                    [draft_rows[i] for i in group], num_next_drafts, masks)
             for j, i in enumerate(group):
                 if j in res.rows:
@@ -206,7 +205,7 @@ class ModelRunner:
                 if j in res.prompt_logprobs:
                     prompt_lps[i] = res.prompt_logprobs[j]
             sampled = [j for j in range(len(group)) if j in res.rows]
-            if res.draft_probs is not None:
+            if res.proposed_q:
                 any_q = True
                 saved.append((num_sampled, self.q_store[: len(sampled)].clone()))
                 for j in sampled:
@@ -217,13 +216,13 @@ class ModelRunner:
             num_sampled += len(sampled)
         for start, q in saved:
             self.q_store[start : start + q.shape[0]].copy_(q)
-        return StepResult(rows, self.q_store if any_q else None, draft_row, prompt_lps)
+        return StepResult(rows, any_q, draft_row, prompt_lps)
 
-    def execute_one(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_probs: torch.Tensor | None,
-                    draft_rows: list[int], num_next_drafts: int,
+    def execute_one(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
+                    num_next_drafts: int,
                     token_masks: Mapping[int, torch.Tensor] | None = None) -> StepResult:
         """One step as one forward: its graph, or eagerly."""
-        p = self.plan(items, drafts, draft_rows if draft_probs is not None else [-1] * len(items), num_next_drafts,
+        p = self.plan(items, drafts, draft_rows if self.q_store is not None else [-1] * len(items), num_next_drafts,
                       token_masks is not None)
         down = Download()
         if p.key is not None:

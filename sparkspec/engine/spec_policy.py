@@ -39,7 +39,6 @@ class SpecPolicy:
         self.num_spec_tokens = self.proposer.num_spec_tokens
         self.budget: VerificationBudget | None = None
         self._num_verified = 0  # drafts `choose` picked for the step in progress (told to the budget)
-        self.draft_probs: torch.Tensor | None = None  # [S, k, V] q of drafts (the runner's `q_store`), row per seq
 
     def start(self, runner) -> None:
         """Once the pools exist: measure (or load) the step costs the adaptive budget decides from."""
@@ -49,7 +48,8 @@ class SpecPolicy:
 
     # ---- before the step ----
     def choose(self, items: list[ScheduledSeq]) -> tuple[list[list[int]], list[int]]:
-        """Drafts each item verifies (a prefix of what its request holds) and their rows in `draft_probs`."""
+        """Drafts each item verifies (a prefix of what its request holds) and their rows in the runner's
+        `q_store` (the one owner of the drafts' q; -1: one-hot)."""
         self.budget.step_boundary()
         drafts: list[list[int]] = [[] for _ in items]
         decode = [i for i, it in enumerate(items) if it.num_lookahead > 0 and it.seq.spec.draft_ids]
@@ -95,12 +95,12 @@ class SpecPolicy:
             stats.spec.record(num_drafts, num_accepted)
 
     def keep(self, seq: Sequence, drafts: list[int], confidences: list[float] | None, row: int) -> None:
-        """`row`: where the drafts' q sits in `draft_probs` (-1: one-hot, greedy or host drafts)."""
+        """`row`: where the drafts' q sits in the runner's `q_store` (-1: one-hot, greedy or host drafts)."""
         seq.spec.draft_ids, seq.spec.confidences, seq.spec.draft_row = drafts, confidences, row
 
     @staticmethod
     def forget_overwritten(running: list[Sequence], sampled: set[Sequence]) -> None:
-        """A step that proposed with q rewrote the rows of `draft_probs`: requests that did not sample in it
+        """A step that proposed with q rewrote the rows of the runner's `q_store`: requests that did not sample in it
         (the token budget ran out before them) drop their drafts, whose q is gone. They draft afresh."""
         for seq in running:
             if seq not in sampled and seq.spec.draft_row >= 0:
@@ -174,7 +174,7 @@ class SpecPolicy:
             s = Sequence(-1 - i, ids[:-1], SamplingParams(max_tokens=4, ignore_eos=True))
             s.block_ids = list(range(i * per_seq, (i + 1) * per_seq))
             seqs.append(s)
-        runner.execute([ScheduledSeq(s, context_len) for s in seqs], [[] for _ in seqs], None, [-1] * num_reqs, 0)
+        runner.execute([ScheduledSeq(s, context_len) for s in seqs], [[] for _ in seqs], [-1] * num_reqs, 0)
         for s, tok in zip(seqs, ids[-1:] * num_reqs):
             s.num_cached_tokens, s.output_ids = context_len, [tok]
         return [ScheduledSeq(s, 1, self.num_spec_tokens) for s in seqs]
@@ -185,7 +185,7 @@ class SpecPolicy:
         times = []
         for _ in range(repeats + 1):  # the first run compiles / warms up and is dropped
             t0 = time.perf_counter()
-            runner.execute(items, drafts, None, [-1] * len(items), k_next)
+            runner.execute(items, drafts, [-1] * len(items), k_next)
             times.append(time.perf_counter() - t0)
         times = sorted(times[1:])
         return times[len(times) // 2]

@@ -35,8 +35,8 @@ class SampledRow:
 @dataclass
 class StepResult:
     rows: dict[int, SampledRow]  # item index -> result, for the items that sample
-    draft_probs: torch.Tensor | None  # the runner's `q_store` when the next drafts have a q (row = `draft_row`)
-    draft_row: dict[int, int]  # item index -> row of draft_probs
+    proposed_q: bool  # the step wrote the next drafts' q into the runner's `q_store` (row = `draft_row`)
+    draft_row: dict[int, int]  # item index -> its row of the runner's `q_store`
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)  # item index -> its chunk's prompt tokens
 
 
@@ -66,7 +66,7 @@ def read_step(p: PackedStep, host: dict, q_store: torch.Tensor | None) -> StepRe
     building the rows the engine commits."""
     prompt = read_prompt_logprobs(host.get("prompt", []), p.items, p.prompt_items, p.num_prompt_top)
     if not p.sampling:
-        return StepResult({}, None, {}, prompt)
+        return StepResult({}, False, {}, prompt)
     S, K1, k, keep = len(p.sampling), p.K + 1, p.num_drafts, p.keep_drafts
     L = _host_ints(host["accepted"][0], (S,))  # [S]
     toks = _host_ints(host["tokens"][0], (S, K1))  # [S][K+1]
@@ -86,8 +86,8 @@ def read_step(p: PackedStep, host: dict, q_store: torch.Tensor | None) -> StepRe
                                 p.num_top)
         rows[i] = SampledRow(L[r], emitted, nxt[r] if nxt is not None else [], conf[r] if conf is not None else None,
                              lps, None if finite[r] else NONFINITE_ERROR)
-    next_probs = q_store if k and p.mode != "greedy" else None
-    return StepResult(rows, next_probs, {i: r for r, i in enumerate(p.sampling)}, prompt)
+    proposed_q = q_store is not None and bool(k) and p.mode != "greedy"
+    return StepResult(rows, proposed_q, {i: r for r, i in enumerate(p.sampling)}, prompt)
 
 
 def read_prompt_logprobs(pieces: list[list[float]], items: list[ScheduledSeq],
