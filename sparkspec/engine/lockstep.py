@@ -5,8 +5,11 @@ in order, their seeds, aborts), so rank 0 sends only those inputs: once per step
 messages gathered since the last step (`DistributedLLMEngine`); the other ranks replay them and take the same
 step (`worker_loop`), so every collective inside the sharded model meets its partners. Sampling is replicated:
 the logits are gathered on every rank and the same seeds give the same tokens. The adaptive verification budget
-decides from a measured cost table: rank 0's table is sent to the others once (`sync_budget`), so that every rank
-verifies the same drafts.
+decides from a measured cost table and from measured step wall times: rank 0's table is sent to the others once
+(`sync_budget`), and each step's message carries rank 0's clock at the step's start, which every rank's budget
+reads instead of its own (`StepClock`), so that every rank drafts and verifies the same. (With each rank's own
+clock the ranks' wall times differ, the regime decisions part, and one rank waits in a collective the other
+never enters.)
 
 Idle ranks wait in a broadcast. A server can stay idle for longer than any sensible collective timeout, so rank
 0 sends an empty "idle" message every `HEARTBEAT_S` seconds without a step (`start_heartbeat`); a worker whose
@@ -66,8 +69,10 @@ class DistributedLLMEngine(LLMEngine):
 
     def step(self):
         with self._lock:
-            self._send(self._messages)
+            now = time.perf_counter()
+            self._send(self._messages + [("clock", now)])
             self._messages = []
+            set_step_clock(self, now)
             return super().step()
 
     def shutdown(self) -> None:
@@ -94,14 +99,33 @@ class DistributedLLMEngine(LLMEngine):
         self._last_send = time.monotonic()
 
 
+class StepClock:
+    """The adaptive budget's clock on every rank: rank 0's `time.perf_counter()` at the start of the step in
+    progress, set from the step's message."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def sync_budget(engine: LLMEngine, pg: ParallelGroup) -> None:
-    """Every rank takes rank 0's step-cost table (each rank measured its own, in lockstep): the adaptive budget
-    then chooses the same drafts everywhere. Called once by every rank after its engine is built."""
+    """Every rank takes rank 0's step-cost table (each rank measured its own, in lockstep) and reads step times
+    from rank 0's clock (`StepClock`): the adaptive budget then chooses the same drafts everywhere. Called once by
+    every rank after its engine is built."""
     budget = engine.spec.budget if engine.spec is not None else None
     box = [budget.cost if budget is not None else None]
     dist.broadcast_object_list(box, src=0, group=pg.group)
     if budget is not None:
         budget.cost = box[0]
+        budget.clock = StepClock()
+
+
+def set_step_clock(engine: LLMEngine, now: float) -> None:
+    budget = engine.spec.budget if engine.spec is not None else None
+    if budget is not None and isinstance(budget.clock, StepClock):
+        budget.clock.now = now
 
 
 def worker_loop(engine: LLMEngine, pg: ParallelGroup) -> None:
@@ -118,6 +142,8 @@ def worker_loop(engine: LLMEngine, pg: ParallelGroup) -> None:
                 return
             if message[0] == "add":
                 engine.add_request(*message[1:])
+            elif message[0] == "clock":
+                set_step_clock(engine, message[1])
             else:
                 engine.abort_request(message[1])
         engine.step()
