@@ -169,8 +169,10 @@ def test_cuda_graphs_equal_eager(method, dtype):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
 
     def run(eager: bool, p=params, static: bool = False):
+        # a 64-token budget: the prompts (<= 30 tokens) fit, and 6 prefill shapes are captured, not 22 (each capture
+        # compiles kernels for its shapes: the test's time on the GPU)
         c = EngineConfig(max_num_seqs=8, speculative=method, num_spec_tokens=3 if method != "none" else None,
-                         spec_budget="fixed", enforce_eager=eager)
+                         spec_budget="fixed", enforce_eager=eager, max_num_batched_tokens=64)
         eng = LLMEngine(model, None, c, tensors)
         assert (eng.runner.graphs is None) == eager
         if static:
