@@ -105,6 +105,30 @@ def test_prompts_of_several_requests_run_as_one_static_step(method, temperature)
                    for k in prefill_keys)
 
 
+@pytest.mark.parametrize("method", ["none", "dspark", "mtp"])
+def test_prefix_hit_tails_run_as_one_static_prefill(method):
+    """Prompts that share a cached prefix leave short tails that start mid-sequence (num_cached > 0): several of
+    them share one padded prefill graph, whose rows sit at positions past the hit. Tokens equal the dynamic steps'
+    (with the cache too), the cache is hit, and a prefill graph of several requests with a cached start runs."""
+    cfg, model, tensors = tiny_setup()
+    shared = mixed_prompts(cfg.vocab_size, [48], seed=21)[0]
+    tails = mixed_prompts(cfg.vocab_size, [3, 9, 5, 12], seed=22)
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=4, ignore_eos=True)
+    first = [shared + [7]]  # fills the cache with the shared prefix
+    later = [shared + t for t in tails]
+    dyn = engine(model, tensors, method=method)
+    want = [o.token_ids for o in dyn.generate(first, params) + dyn.generate(later, params)]
+    eng = engine(model, tensors, method=method, static=True)
+    used, starts, pack = record_keys(eng), [], eng.runner.graphs.pack
+    eng.runner.graphs.pack = lambda key, ids, tables, st: starts.append((key, list(st))) or pack(key, ids, tables, st)
+    got = [o.token_ids for o in eng.generate(first, params) + eng.generate(later, params)]
+    assert got == want
+    assert eng.stats.num_prefix_cache_hits > 0
+    assert any(k.draft_cols == 0 and k.q > 1 and k.num_reqs > 1 and len([x for x in st if x > 0]) > 1
+               for k, st in starts), "hit tails shared a prefill graph"
+    assert used
+
+
 def test_prefill_groups_fit_captured_shapes():
     from sparkspec.engine.cuda_graphs import GraphRunner
 
