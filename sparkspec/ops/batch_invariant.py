@@ -67,29 +67,28 @@ def _products_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a · b by the invariant kernel where it takes the dtypes, else by `_products_sum`."""
     dtypes, matmul = _kernel()
-    CALLS["mm"] += 1
     if a.dtype != b.dtype or a.dtype not in dtypes:
         return _products_sum(a, b)
     return matmul(a, b)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    CALLS["mm"] += 1
+    return _product(a, b)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    dtypes, matmul = _kernel()
     CALLS["bmm"] += 1
-    if a.dtype != b.dtype or a.dtype not in dtypes:
-        return _products_sum(a, b)
-    return matmul(a, b)
+    return _product(a, b)
 
 
 def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """a [M, K] · v [K] (cuBLAS gemv otherwise): the GEMM with one column."""
-    dtypes, matmul = _kernel()
     CALLS["mv"] += 1
-    if a.dtype != v.dtype or a.dtype not in dtypes:
-        return _products_sum(a, v.unsqueeze(1))[:, 0]
-    return matmul(a, v.unsqueeze(1))[:, 0]
+    return _product(a, v.unsqueeze(1))[:, 0]
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
@@ -101,7 +100,7 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alph
     row = bias.dim() >= 1 and bias.shape[-1] == N and bias.numel() == N and bias.dtype == a.dtype
     if a.dtype == b.dtype and a.dtype in dtypes and beta == 1 and alpha == 1 and row:
         return matmul(a, b, bias.reshape(N))
-    c = _products_sum(a, b) if a.dtype != b.dtype or a.dtype not in dtypes else matmul(a, b)
+    c = _product(a, b)
     return (alpha * c.float() + beta * bias.float()).to(c.dtype)
 
 
