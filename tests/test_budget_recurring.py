@@ -2,7 +2,7 @@
 joining request's prompt), so the regime follows real throughput; fake clock, no engine."""
 
 import pytest
-from test_budget_regime import FakeClock, K, accepting, flat_table
+from test_budget_regime import FakeClock, K, accepting, flat_table, run_loop
 
 from sparkspec.engine.budget import StepTimes, VerificationBudget, survival
 
@@ -19,22 +19,6 @@ def test_step_times_mean_counts_recurring_costs_and_trims_one_pause():
         st.observe(4, "plain", 0.001)
     st.observe(4, "plain", 3.0)  # one JIT compile
     assert st.seconds(4, "plain") == pytest.approx(0.001)
-
-
-def run_loop(budget: VerificationBudget, clock: FakeClock, num_reqs: int, seconds, num_steps: int) -> list[int]:
-    """As `test_budget_regime.run_engine`, with `seconds(step, verified, proposed)` (the step index decides which
-    steps carry a prompt) -> k per step."""
-    ks, proposed = [], 0
-    for n in range(num_steps):
-        budget.step_boundary()
-        verified = sum(budget.lengths([proposed] * num_reqs, [None] * num_reqs, num_reqs, num_reqs)) if proposed \
-            else 0
-        k = budget.next_num_drafts(num_reqs, num_reqs)
-        budget.note_step(num_reqs, verified, k)
-        clock.now += seconds(n, verified > 0, k > 0)
-        ks.append(k)
-        proposed = k
-    return ks
 
 
 @pytest.mark.parametrize("join_every", [3, 4, 5])

@@ -27,21 +27,28 @@ class FakeClock:
         return self.now
 
 
-def run_engine(budget: VerificationBudget, clock: FakeClock, num_reqs: int, step_seconds, num_steps: int
-               ) -> list[int]:
+def run_loop(budget: VerificationBudget, clock: FakeClock, num_reqs: int, seconds, num_steps: int) -> list[int]:
     """Drive the budget as `SpecPolicy` does: each step opens on the clock, verifies what the previous decision
-    proposed, decides k; `step_seconds(verified, proposed)` is the step's wall time. -> k per step."""
+    proposed, decides k; `seconds(step, verified, proposed)` is the step's wall time (the step index lets a test
+    decide which steps carry a prompt). -> k per step."""
     ks, proposed = [], 0
-    for _ in range(num_steps):
+    for n in range(num_steps):
         budget.step_boundary()
         verified = sum(budget.lengths([proposed] * num_reqs, [None] * num_reqs, num_reqs, num_reqs)) if proposed \
             else 0
         k = budget.next_num_drafts(num_reqs, num_reqs)
         budget.note_step(num_reqs, verified, k)
-        clock.now += step_seconds(verified > 0, k > 0)
+        clock.now += seconds(n, verified > 0, k > 0)
         ks.append(k)
         proposed = k
     return ks
+
+
+def run_engine(budget: VerificationBudget, clock: FakeClock, num_reqs: int, step_seconds, num_steps: int
+               ) -> list[int]:
+    """`run_loop` where every step costs `step_seconds(verified, proposed)`."""
+    return run_loop(budget, clock, num_reqs, lambda n, verified, proposed: step_seconds(verified, proposed),
+                    num_steps)
 
 
 def test_bucket_and_median_of_step_times():
