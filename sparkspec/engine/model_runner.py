@@ -222,8 +222,7 @@ class ModelRunner:
                     num_next_drafts: int,
                     token_masks: Mapping[int, torch.Tensor] | None = None) -> StepResult:
         """One step as one forward: its graph, or eagerly."""
-        p = self.plan(items, drafts, draft_rows if self.q_store is not None else [-1] * len(items), num_next_drafts,
-                      token_masks is not None)
+        p = self.plan(items, drafts, draft_rows, num_next_drafts, token_masks is not None)
         down = Download()
         if p.key is not None:
             _, res = self.graphs.run(p.key, to_device(p.flat, self.device))
@@ -316,15 +315,16 @@ class ModelRunner:
         draft_ids = dev["draft_ids"].view(S, K)
         q = None  # None: every draft one-hot (host drafters, greedy drafts), which the sampler handles as such
         if K and not all_greedy and self.q_store is not None:
-            # requests with a q row read it in place; the rest are one-hot: no dense [S, K, V] copy
-            q = IndexedDraftProbs(self.q_store, dev["q_rows"])
-        if K and not all_greedy and bitmask is not None and q is not None:
-            # a sampled draft under a grammar was drawn from q_m (engine/grammar.py): the masked, renormalised q
-            # is dense (eager structured steps only); one-hot drafts stay one-hot (the grammar cut refused ones)
-            one_hot = logits.new_zeros(S, K, logits.shape[-1]).scatter_(2, draft_ids.clamp(min=0).unsqueeze(2), 1.0)
             q_rows = dev["q_rows"]
-            dense = torch.where((q_rows >= 0).view(S, 1, 1), self.q_store[q_rows.clamp(min=0), :K], one_hot)
-            q = mask_draft_probs(dense, bitmask[:, :K])
+            # requests with a q row read it in place; the rest are one-hot: no dense [S, K, V] copy
+            q = IndexedDraftProbs(self.q_store, q_rows)
+            if bitmask is not None:
+                # a sampled draft under a grammar was drawn from q_m (engine/grammar.py): the masked, renormalised
+                # q is dense (eager structured steps only); one-hot drafts stay one-hot (the grammar cut refused ones)
+                one_hot = logits.new_zeros(S, K, logits.shape[-1]).scatter_(2, draft_ids.clamp(min=0).unsqueeze(2),
+                                                                            1.0)
+                dense = torch.where((q_rows >= 0).view(S, 1, 1), self.q_store[q_rows.clamp(min=0), :K], one_hot)
+                q = mask_draft_probs(dense, bitmask[:, :K])
         tokens, num_accepted, is_finite = self.sampler.verify(logits, draft_ids, q, st, dev["positions"])
         return tokens, num_accepted, is_finite, st, logits
 
