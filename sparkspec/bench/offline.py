@@ -106,7 +106,10 @@ def run_offline(args) -> list[dict]:
     texts = load_prompts(args.dataset or None, num=max(args.num_prompts, 1))
     tok = ckpt.tokenizer
     limit = args.max_prompt_tokens
-    prompt_ids = [tok.encode_chat([{"role": "user", "content": t}])[-limit:] for t in texts]
+    if args.shared_prefix_tokens:
+        prompt_ids = shared_prefix_prompts(tok, texts, args.shared_prefix_tokens, limit)
+    else:
+        prompt_ids = [tok.encode_chat([{"role": "user", "content": t}])[-limit:] for t in texts]
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     rows = []
     for setting in settings:
@@ -139,9 +142,29 @@ def run_offline(args) -> list[dict]:
                 extra = (f"  host {row['host_us_per_step']:.0f} us/step {row['host_us_per_req']:.1f} us/req"
                          f"  busy {row['device_busy_frac']:.2f}")
             rows.append(row)
-            print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}{extra}",
+            print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}"
+                  f"  prefix hits {row['prefix_cache_hit_rate']:.3f}{extra}",
                   file=sys.stderr)
     return rows
+
+
+def shared_prefix_prompts(tok, texts: list[str], prefix_tokens: int, limit: int) -> list[list[int]]:
+    """Each text as the question after one shared system prompt of about `prefix_tokens` tokens (what agents and
+    chat front-ends send: `bench.prefix.long_chat`'s notes); a question is cut to about `limit` tokens, never the
+    system prompt."""
+    from sparkspec.bench.prefix import long_chat
+
+    system = long_chat(tok, prefix_tokens)[0]
+    out = []
+    for text in texts:
+        msgs = [system, {"role": "user", "content": text}]
+        ids = tok.encode_chat(msgs)
+        base = len(tok.encode_chat([system, {"role": "user", "content": ""}]))
+        while len(ids) > base + limit and len(msgs[1]["content"]) > 1:
+            msgs[1]["content"] = msgs[1]["content"][: int(len(msgs[1]["content"]) * 0.8)]
+            ids = tok.encode_chat(msgs)
+        out.append(ids)
+    return out
 
 
 def add_offline_parser(sub) -> argparse.ArgumentParser:
@@ -154,7 +177,10 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--requests-per-client", type=int, default=2, help="requests per level = c x this")
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="keep the last N prompt tokens")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="keep the last N prompt tokens (with "
+                                                                        "--shared-prefix-tokens: of the question)")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="put one shared system prompt of about N tokens before every prompt (prefix caching's case)")
     p.add_argument("--dataset", action="append", help="JSONL prompt file(s) (default: the repository's "
                                                       "data/eval/*.jsonl, else the built-in prompts)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -182,7 +208,8 @@ def cmd_offline(args) -> int:
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
             "temperature": args.temperature, "profile_host": bool(args.profile_host),
-            "enable_prefix_caching": args.enable_prefix_caching, "sampling_scheme": args.sampling_scheme,
+            "enable_prefix_caching": args.enable_prefix_caching, "shared_prefix_tokens": args.shared_prefix_tokens,
+            "sampling_scheme": args.sampling_scheme,
             "batch_invariant": bool(getattr(args, "batch_invariant", False))}
     if args.json:
         write_json(args.json, rows, meta)
