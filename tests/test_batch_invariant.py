@@ -1,5 +1,5 @@
 """Batch-invariant mode (`sparkspec.ops.batch_invariant`): the fixed-tile GEMM against its reference, a row's
-result bitwise the same inside batches of 1, 7, 64 and 333 rows, the aten GEMMs (F.linear, @, einsum, bmm)
+result bitwise the same inside batches of 1 to 130 rows (K split or not), the aten GEMMs (F.linear, @, einsum, bmm)
 routed to it, the op table swapping in the invariant registrations, the pinned norm / mHC configs, and a tiny
 model giving the same greedy tokens with the mode on. On a CPU the kernels run in Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported); the aten routing is then tested on the CPU dispatch key."""
@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from sparkspec.ops import ops  # noqa: E402
 from sparkspec.ops.batch_invariant import CALLS, batch_invariant, matmul_reference, set_batch_invariant  # noqa: E402
-from sparkspec.ops.triton_kernels.batch_invariant import matmul_invariant  # noqa: E402
+from sparkspec.ops.triton_kernels.batch_invariant import invariant_tile, matmul_invariant  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KEYS = ("CUDA",) if DEVICE.type == "cuda" else ("CPU",)  # where the aten GEMMs are replaced in these tests
@@ -56,18 +56,68 @@ def test_rejects_bad_inputs():
         matmul_invariant(rand(4, 8), rand(8, 3, dtype=torch.bfloat16))
 
 
+# (N, K) of the weights; in the interpreter's tile (BLOCK_N 32, BLOCK_K 32, 8 target programs) K is cut into 4, 2,
+# 1 (N wide enough) and 1 (one K tile) chunks
+SHAPES = [(40, 200), (17, 100), (300, 72), (24, 32)]
+
+
+def _num_chunks(N, K):
+    tile = invariant_tile(N, K, DEVICE.type == "cpu")
+    return triton.cdiv(K, tile.chunk_k)
+
+
+def test_shapes_cover_split_and_unsplit_weights():
+    is_split = [_num_chunks(N, K) > 1 for N, K in SHAPES]
+    assert is_split[0] and is_split[1] and not is_split[3], is_split  # (300, 72) is split on a GPU's larger target
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_is_bitwise_the_same_in_any_batch(dtype):
-    """The claim of the kernel's docstring: a fixed BLOCK_K and one program per output tile make row m's sums
-    independent of M and of where m sits. The row goes to different positions (and row blocks) of batches of
-    1, 7, 64 and 333 rows of other data."""
-    K, N = 200, 70  # K not a multiple of BLOCK_K, N not of BLOCK_N
-    row, w = rand(1, K, dtype=dtype, seed=5), rand(N, K, dtype=dtype, seed=6)
-    alone = matmul_invariant(row, w.t())[0]
-    for M, at in ((1, 0), (7, 3), (64, 63), (333, 200)):
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_is_bitwise_the_same_in_any_batch(N, K, dtype, bias):
+    """The claim of the kernel's docstring: the tile and K chunks depend on (N, K) only and the chunk partials
+    are added in chunk order, so row m's result is independent of M, of where m sits and of the schedule M picks
+    (split at 1 and 17 rows, one program per tile at 130 on the interpreter's small target). Each row of a batch of
+    17 goes to shuffled positions of batches of 1, 3, 17, 64 and 130 rows of other data."""
+    w = rand(N, K, dtype=dtype, seed=6)
+    b = rand(N, dtype=dtype, seed=7) if bias else None
+    rows = rand(17, K, dtype=dtype, seed=5)
+    alone = torch.stack([matmul_invariant(rows[i:i + 1], w.t(), b)[0] for i in range(17)])
+    torch.testing.assert_close(alone.float(), matmul_reference(rows, w.t(), b).float(), rtol=2 ** -7, atol=2 ** -5)
+    g = torch.Generator().manual_seed(N + K)
+    for M in (1, 3, 17, 64, 130):
         x = rand(M, K, dtype=dtype, seed=M)
-        x[at] = row[0]
-        assert torch.equal(matmul_invariant(x, w.t())[at], alone), (M, at)
+        which = torch.randperm(17, generator=g)[: min(M, 17)]  # rows of `rows` placed ...
+        at = torch.randperm(M, generator=g)[: len(which)].to(DEVICE)  # ... at shuffled positions
+        x[at] = rows[which.to(DEVICE)]
+        assert torch.equal(matmul_invariant(x, w.t(), b)[at], alone[which.to(DEVICE)]), (M, at.tolist())
+
+
+@pytest.mark.parametrize("N,K", SHAPES[:2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_and_fused_schedules_give_the_same_bits(N, K, dtype):
+    """Partials through the workspace and the last program's chunk-order sum == one program adding the chunks in
+    registers, bit for bit (values and signs of zero), with and without bias; the tile counters are back at 0
+    after every split launch (what a graph replay needs)."""
+    from sparkspec.ops.triton_kernels.batch_invariant import _COUNTERS
+
+    x, w, b = rand(70, K, dtype=dtype, seed=1), rand(N, K, dtype=dtype, seed=2), rand(N, dtype=dtype, seed=3)
+    x[5] = 0.0  # a row of zeros: the signs of its zero outputs must agree too
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
+    for bias in (None, b):
+        fused, split = (matmul_invariant(x, w.t(), bias, split=s) for s in (False, True))
+        assert torch.equal(fused.view(bits), split.view(bits))
+        assert not _COUNTERS[x.device].any()
+
+
+def test_bmm_rows_do_not_depend_on_the_batch():
+    """Each matrix of a bmm has its own rows: row m of matrix j is the same inside 1 or 40 rows."""
+    B, K, N = 3, 96, 20
+    g = rand(B, K, N, seed=4)
+    x40 = rand(B, 40, K, seed=5)
+    alone = matmul_invariant(x40[:, 7:8].contiguous(), g)[:, 0]
+    assert torch.equal(matmul_invariant(x40, g)[:, 7], alone)
+    torch.testing.assert_close(matmul_invariant(x40, g), matmul_reference(x40, g), rtol=1e-5, atol=1e-5)
 
 
 def test_aten_gemms_are_routed_in_the_mode():

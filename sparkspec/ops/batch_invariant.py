@@ -9,8 +9,9 @@ batch. In this mode (`set_batch_invariant(True)`, `EngineConfig.batch_invariant`
 
 * every dense GEMM on an accelerator tensor (`aten::mm`, `addmm`, `bmm`, `mv`: nn.Linear / F.linear, `@`, `matmul`,
   `einsum`, in the target, the drafters and the natives that run there) goes to `matmul_invariant`
-  (`triton_kernels.batch_invariant`: one fixed tile, no split-K, fp32 accumulation). It is registered as the
-  CUDA kernel of those aten ops (torch.library), so no call site changes and none can be missed;
+  (`triton_kernels.batch_invariant`: a tile and K split fixed by the weight's shape, chunk partials added in
+  chunk order, fp32 accumulation). It is registered as the CUDA kernel of those aten ops (torch.library), so no
+  call site changes and none can be missed;
 * ops whose accelerated versions choose a tile or a path by the row count use their `invariant` registrations
   in the op table (`registry.invariant`): the LM head (its BLOCK_M fixed at 16), the FP8 block linear (tile and
   split-K fixed by N and K only, never cuBLAS `scaled_mm`), the routed experts (the Triton kernels at every
