@@ -10,9 +10,9 @@ of its `GraphKey`: requests are padded with dummy requests whose block tables ho
 a request with fewer drafts is padded with dummy rows. Every padded row writes only into the scratch block, or
 into positions past the request's committed length, which the step that commits them rewrites before anything
 reads them (the same argument that makes rejected drafts free). Dummy requests sample greedily with no drafts.
-All shapes are static: block tables have W columns, emit rows have one entry per row (-1 where the position
-closes no compressed entry), the compressed index widths use W·bs positions, and logits are computed for
-every row.
+All shapes are static: block tables have W columns (`width_for`), emit rows have one entry per row (-1 where
+the position closes no compressed entry), the compressed index widths use W·bs positions, and logits are
+computed for every row.
 
 A key also fixes what a step's host flags decide eagerly: the sampling mode (`greedy`: every request at
 temperature 0; `sample`: no top-k / top-p; `filter`: some request filters) and how many drafts the drafter
@@ -91,7 +91,11 @@ class GraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.query_lens = tuple(sorted(set(query_lens)))
         self.prefill_lens = tuple(sorted(q for q in set(prefill_lens) if q > max(self.query_lens)))
-        self.width = -(-(max_model_len + max(self.query_lens + self.prefill_lens)) // cache.block_size) + 1
+        # block-table columns: positions up to max_model_len, plus a padded step's rows past a request's end, plus
+        # the scratch block. Decode / verify graphs (the ones every step uploads) pad by at most max(query_lens);
+        # prefill graphs by their q, so they get a wider table of their own rather than widening every decode step
+        self.width = self.columns(max_model_len + max(self.query_lens))
+        self.prefill_width = self.columns(max_model_len + max(self.prefill_lens, default=0))
         # q -> the request counts R captured for prefills of q rows each: R·q <= prefill_rows
         self.prefill_sizes = {q: [R for R in self.sizes if R == 1 or R * q <= prefill_rows] for q in self.prefill_lens}
         self.eager = eager
@@ -101,6 +105,13 @@ class GraphRunner:
         self.graph_bytes = 0
 
     # ---- shapes ----
+    def columns(self, num_positions: int) -> int:
+        return -(-num_positions // self.cache.block_size) + 1
+
+    def width_for(self, key: GraphKey) -> int:
+        """Block-table columns of `key`'s graph: decode / verify graphs `width`, prefill graphs `prefill_width`."""
+        return self.width if key.q <= max(self.query_lens) else self.prefill_width
+
     def key_for(self, num_reqs: int, num_rows: int, mode: str, num_drafts: int) -> GraphKey | None:
         """The captured key for `num_reqs` requests of at most `num_rows` rows each, if any: decode / verify
         rows at any captured batch size, or prompts (or last chunks) at a prefill length and size."""
@@ -136,19 +147,19 @@ class GraphRunner:
         flat_ids = [t for row in ids for t in row + [0] * (q - len(row))] + [0] * ((R - n) * q)
         tables = block_tables + [[]] * (R - n)
         parts = batch_parts(self.cache, flat_ids, tables, starts + [0] * (R - n), [q] * R, None, self.ratios,
-                            self.width, emit_every_row=True)
+                            self.width_for(key), emit_every_row=True)
         return [x for part in parts for x in part]
 
     def static(self, key: GraphKey) -> StaticGraph:
         g = self.graphs.get(key)
         if g is None:
             R, q = key.num_reqs, key.q
-            parts = batch_parts(self.cache, [0] * (R * q), [[]] * R, [0] * R, [q] * R, None, self.ratios,
-                                self.width, emit_every_row=True)
+            width = self.width_for(key)
+            parts = batch_parts(self.cache, [0] * (R * q), [[]] * R, [0] * R, [q] * R, None, self.ratios, width,
+                                emit_every_row=True)
             up = self.dummy_upload(key)
             flat = torch.tensor([x for p in parts for x in p] + up.flat(), dtype=torch.long, device=self.cache.device)
-            batch, rest = batch_from_flat(flat, parts, self.cache, False, self.ratios,
-                                          self.width * self.cache.block_size)
+            batch, rest = batch_from_flat(flat, parts, self.cache, False, self.ratios, width * self.cache.block_size)
             g = self.graphs[key] = StaticGraph(key, flat, batch, up.split(rest), flat.numel())
         return g
 

@@ -289,15 +289,23 @@ class ModelRunner:
         return res
 
     def decode(self, batch, out, dev: dict, S: int, K: int, mode: str, num_drafts: int) -> DecodeOutput:
-        """Accept on every sampling request at once, then the device drafter proposes `num_drafts` after each new
-        pending token (its q goes to `q_store`)."""
+        """Accept on every sampling request at once; the device drafter then writes the step's rows into its
+        context, and proposes `num_drafts` after each new pending token (its q goes to `q_store`).
+
+        The context is written on every step, drafting or not: a step that proposes nothing (the adaptive budget's
+        plain arm, a request that asks for no drafts) still leaves its positions' rows in the drafter's pools, or the
+        first drafts after a plain stretch would read stale rows there (lossless still, but on the H200 demo pair
+        the adaptive budget's drafting arm then looked worse than plain decoding at c = 1 and was turned off)."""
         tokens, num_accepted, is_finite, st, logits = self.accept(out, dev, S, K, mode)
         res = DecodeOutput(tokens, num_accepted, is_finite, logits=logits, sampling=st)
-        if num_drafts:
-            proposal = self.draft(batch, out, dev, tokens, num_accepted, st, K, num_drafts)
-            res.drafts, res.confidences = proposal.token_ids, proposal.confidences
-            if proposal.probs is not None:
-                self.q_store[:S, :num_drafts].copy_(proposal.probs)
+        if self.drafts_on_device:
+            step = self.step_rows(batch, out, dev, tokens, num_accepted, st, K)
+            self.proposer.observe(step)
+            if num_drafts:
+                proposal = self.proposer.propose(step, num_drafts)
+                res.drafts, res.confidences = proposal.token_ids, proposal.confidences
+                if proposal.probs is not None:
+                    self.q_store[:S, :num_drafts].copy_(proposal.probs)
         return res
 
     def accept(self, out, dev: dict, S: int, K: int, mode: str):
@@ -328,9 +336,10 @@ class ModelRunner:
         tokens, num_accepted, is_finite = self.sampler.verify(logits, draft_ids, q, st, dev["positions"])
         return tokens, num_accepted, is_finite, st, logits
 
-    def draft(self, batch, out, dev: dict, tokens, num_accepted, st, K: int, k: int):
-        """The device drafter sees the step's rows (all written into its context) and drafts k tokens after each
-        new pending token -> its DraftBatch."""
+    @staticmethod
+    def step_rows(batch, out, dev: dict, tokens, num_accepted, st, K: int) -> StepRows:
+        """What the device drafter reads of a sampling step: its rows (every one is written into the drafter's
+        context), the token after each row where it is known, and each request's new pending token."""
         pending_rows, next_ids = dev["pending_rows"], dev["next_ids"]
         if next_ids.numel():  # the token after a verify row is the token emitted there (past them: unread)
             verify_rows = pending_rows.unsqueeze(1) + torch.arange(K + 1, device=tokens.device)  # [S, K+1]
@@ -338,7 +347,5 @@ class ModelRunner:
             rows = torch.where(ok, verify_rows, pending_rows.unsqueeze(1))
             next_ids = next_ids.index_put((rows,), torch.where(ok, tokens, tokens[:, :1]))
         pending = tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [S] the new pending token
-        step = StepRows(batch, out, next_ids, dev["reqs"], pending, dev["positions"] + num_accepted,
+        return StepRows(batch, out, next_ids, dev["reqs"], pending, dev["positions"] + num_accepted,
                         pending_rows + num_accepted, st)
-        self.proposer.observe(step)
-        return self.proposer.propose(step, k)
