@@ -131,11 +131,15 @@ def run_offline(args) -> list[dict]:
             engine.generate([prompt_ids[i % len(prompt_ids)] for i in range(c)],
                             SamplingParams(max_tokens=k + 4, ignore_eos=True))
             queried, hit = engine.stats.num_prefix_cache_queries, engine.stats.num_prefix_cache_hits
+            steps, skipped = engine.stats.num_steps, engine.stats.num_drafter_skipped_steps
             r = run_level(engine, prompt_ids, c, n, params, setting.method, k, args.profile_host)
             row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
             queried = engine.stats.num_prefix_cache_queries - queried  # this level's prompt tokens: the share
             row["prefix_cache_hit_rate"] = round((engine.stats.num_prefix_cache_hits - hit) / max(queried, 1), 4)
             row["engine_startup_s"] = round(startup, 2)
+            if setting.method != "none":  # steps whose drafter ran (the adaptive budget's drafting arm)
+                steps, skipped = engine.stats.num_steps - steps, engine.stats.num_drafter_skipped_steps - skipped
+                row["drafting_step_frac"] = round(1 - skipped / max(steps, 1), 3)
             extra = ""
             if "host_profile" in r:
                 row.update(r["host_profile"])
@@ -143,7 +147,8 @@ def run_offline(args) -> list[dict]:
                          f"  busy {row['device_busy_frac']:.2f}")
             rows.append(row)
             print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}"
-                  f"  prefix hits {row['prefix_cache_hit_rate']:.3f}{extra}",
+                  f"  prefix hits {row['prefix_cache_hit_rate']:.3f}"
+                  + (f"  drafting {row['drafting_step_frac']:.2f}" if "drafting_step_frac" in row else "") + extra,
                   file=sys.stderr)
     return rows
 
