@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token (prefix caching is on by default)")
-    g.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="rejection", help=SAMPLING_SCHEME_HELP)
+    g.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="auto", help=SAMPLING_SCHEME_HELP)
     g.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (one per GPU, or gloo on CPU)")

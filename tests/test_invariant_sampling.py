@@ -301,7 +301,29 @@ def test_demo_seeded_tokens_identical_with_any_drafter(demo, method):
     plain = demo_tokens(ckpt, ids, "none", sampling_scheme="gumbel")
     assert demo_tokens(ckpt, ids, method, sampling_scheme="gumbel", spec_budget="fixed") == plain
     assert demo_tokens(ckpt, ids, method, sampling_scheme="gumbel") == plain
-    assert demo_tokens(ckpt, ids, "none") != plain  # the switch switches: rejection draws other tokens
+    assert demo_tokens(ckpt, ids, "none", sampling_scheme="rejection") != plain  # rejection draws other tokens
+    assert demo_tokens(ckpt, ids, method) == plain  # the default ("auto"): seeded requests take the Gumbel scheme
+
+
+def test_auto_scheme_takes_gumbel_for_seeded_rejection_for_unseeded(demo):
+    """The default scheme, per request in one batch: seeded requests give their "gumbel" tokens (plain decoding's),
+    unseeded ones draw as "rejection" does (their seeds come from the engine's RNG, seeded here for both runs)."""
+    from sparkspec.engine.llm import LLM
+
+    ckpt, ids = demo
+    params = [SP(temperature=1.0, seed=7 + i if i % 2 else None, max_tokens=30, ignore_eos=True)
+              for i in range(len(ids))]
+
+    def run(method, scheme):
+        llm = LLM(ckpt, method, max_num_seqs=8, max_model_len=256, spec_budget="fixed", sampling_scheme=scheme)
+        llm.engine._rng.seed(3)
+        return [o.token_ids for o in llm.generate(ids, params)]
+
+    auto, gumbel, rejection = run("dspark", "auto"), run("none", "gumbel"), run("dspark", "rejection")
+    seeded = [i for i, sp in enumerate(params) if sp.seed is not None]
+    assert [auto[i] for i in seeded] == [gumbel[i] for i in seeded]
+    assert [auto[i] for i in seeded] != [rejection[i] for i in seeded]
+    assert [o for i, o in enumerate(auto) if i not in seeded] == [o for i, o in enumerate(rejection) if i not in seeded]
 
 
 def test_demo_seeded_tokens_do_not_depend_on_the_batch_or_n(demo):
@@ -332,4 +354,5 @@ def test_generate_flag_sampling_scheme(capsys):
 
     plain = run("--spec", "none", "--sampling-scheme", "gumbel")
     assert len(plain) == 2 and run("--spec", "dspark", "--sampling-scheme", "gumbel") == plain
-    assert run("--spec", "none") != plain
+    assert run("--spec", "none", "--sampling-scheme", "rejection") != plain
+    assert run("--spec", "dspark") == plain  # the default, "auto": a seeded request takes the Gumbel scheme

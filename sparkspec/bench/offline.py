@@ -196,7 +196,7 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token (prefix caching is on by default)")
-    p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="rejection", help=SAMPLING_SCHEME_HELP)
+    p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="auto", help=SAMPLING_SCHEME_HELP)
     p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     p.add_argument("--profile-host", action="store_true",
                    help="time the engine's step pieces: host us per step / per request, device-busy fraction")

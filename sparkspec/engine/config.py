@@ -7,10 +7,11 @@ from typing import Literal
 
 from sparkspec.spec_decode.methods import SPEC_METHODS, SpecMethod
 
-SamplingScheme = Literal["rejection", "gumbel"]
-SAMPLING_SCHEMES: tuple[str, ...] = ("rejection", "gumbel")
-SAMPLING_SCHEME_HELP = ("rejection (the default: Leviathan et al.) or gumbel: Gumbel-max with noise keyed by seed and "
-                        "position, the same tokens whatever the drafter, k or the batch")
+SamplingScheme = Literal["auto", "rejection", "gumbel"]
+SAMPLING_SCHEMES: tuple[str, ...] = ("auto", "rejection", "gumbel")
+SAMPLING_SCHEME_HELP = ("auto (the default: gumbel for requests with a seed, rejection for the others), rejection "
+                        "(Leviathan et al.: the higher acceptance) or gumbel (Gumbel-max with noise keyed by seed and "
+                        "position: the same tokens whatever the drafter, k or the batch)")
 
 
 @dataclass
@@ -33,8 +34,10 @@ class EngineConfig:
     cost_cache_dir: str | None = None  # where the measured step-cost table is cached (default ~/.cache/sparkspec)
     # how sampled requests (T > 0) draw and verify (spec_decode/rejection.py): "rejection" = inverse-CDF draws
     # and rejection sampling (same distribution; seeded tokens depend on the drafts); "gumbel" = Gumbel-max
-    # with noise keyed by (seed, position): the same tokens as plain decoding whatever the drafter, k or budget
-    sampling_scheme: SamplingScheme = "rejection"
+    # with noise keyed by (seed, position): the same tokens as plain decoding whatever the drafter, k or budget;
+    # "auto" = gumbel for requests that give a seed (reproducing is what a seed promises), rejection for the rest
+    # (its acceptance is higher: README, drafter-invariant sampling)
+    sampling_scheme: SamplingScheme = "auto"
     # execution
     enforce_eager: bool = False  # True: no CUDA / HIP graphs (they are captured for decode / verify steps otherwise)
     # batch-invariant kernels (ops/batch_invariant.py): a request's tokens do not depend on the rows its steps share

@@ -49,6 +49,7 @@ class InputBatch:
         self.is_greedy = np.zeros(0, bool)  # [C]
         self.is_filtered = np.zeros(0, bool)  # [C] top-k or top-p at a temperature > 0
         self.wants_logprobs = np.zeros(0, bool)  # [C] such steps run eagerly (the list path)
+        self.seeded = np.zeros(0, np.int64)  # [C] 1: the request gave a seed (the "auto" scheme's Gumbel-max rows)
         self.grow(num_slots)
         self._static: dict[tuple[int, int], tuple] = {}  # (R, q) -> the parts that depend on the shape only
 
@@ -72,6 +73,7 @@ class InputBatch:
         self.temperature, self.top_p = ext(self.temperature, 0.0), ext(self.top_p, 1.0)
         self.is_greedy, self.is_filtered = ext(self.is_greedy, True), ext(self.is_filtered, False)
         self.wants_logprobs = ext(self.wants_logprobs, False)
+        self.seeded = ext(self.seeded, 0)
         self.seqs += [None] * add
         self.free += range(num_slots - 1, old - 1, -1)  # popped from the end: lowest slot first
 
@@ -103,6 +105,7 @@ class InputBatch:
         self.is_greedy[slot] = sp.greedy
         self.is_filtered[slot] = (sp.top_k > 0 or sp.top_p < 1) and not sp.greedy
         self.wants_logprobs[slot] = sp.logprobs is not None
+        self.seeded[slot] = sp.seed is not None
         return slot
 
     def release(self, slot: int) -> None:
@@ -199,7 +202,7 @@ class InputBatch:
         flat = np.concatenate([
             ids.ravel(), positions, req_idx, cu, starts + q, tables.ravel(), *emits,  # the batch (no logits rows)
             gather.ravel(), draft_ids.ravel(), q_rows, per_req(self.top_k[slots], 0), per_req(self.seeds[slots], 0),
-            per_req(num_cached + 1, 0), reqs, first, temperature, top_p, next_ids])
+            per_req(num_cached + 1, 0), reqs, first, temperature, top_p, next_ids, per_req(self.seeded[slots], 0)])
         p = PackedStep(items, drafts, sampling=list(range(n)), K=K, mode=mode, num_drafts=key.num_drafts,
                        keep_drafts=keep, key=key)
         p.flat = flat

@@ -59,7 +59,7 @@ MODE_FLAGS = {"greedy": (True, False, False), "sample": (False, False, False), "
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4Model, proposer=None, max_num_seqs: int = 256,
-                 sampling_scheme: str = "rejection"):
+                 sampling_scheme: str = "auto"):
         self.model = model
         self.proposer = proposer
         self.device = next(model.parameters()).device
@@ -67,8 +67,10 @@ class ModelRunner:
         self.cache: KVCache | None = None
         self.sampler = RejectionSampler()
         # "gumbel": every sampled row draws by Gumbel-max with noise keyed by (seed, position, token), the drafters
-        # too, so the tokens do not depend on the drafter, k or the batch (ops/sampling.py); else rejection sampling
-        self.gumbel = sampling_scheme == "gumbel"
+        # too, so the tokens do not depend on the drafter, k or the batch (ops/sampling.py); "auto": the rows of
+        # requests with an explicit seed so (the step's "gumbel" part), the others by rejection sampling; else
+        # rejection sampling for every row
+        self.scheme = sampling_scheme
         self.ratios = model.compress_ratios
         self.capture = {} if proposer is None else {"tap_layers": proposer.tap_layers,
                                                     "capture_final_streams": proposer.needs_final_streams}
@@ -313,9 +315,10 @@ class ModelRunner:
         is_finite [S], sampling tensors, logits [S, K+1, V]). Temperatures arrive packed by
         `SamplingParams.device_temperature` (0 for greedy requests)."""
         all_greedy, any_top_k, any_top_p = MODE_FLAGS[mode]
+        gumbel = dev["gumbel"].bool() if self.scheme == "auto" else self.scheme == "gumbel"  # [S] or all rows
         st = SamplingTensors(dev["temperature"].view(torch.float64).float(), dev["top_k"],
                              dev["top_p"].view(torch.float64).float(), dev["seeds"], all_greedy, any_top_k, any_top_p,
-                             gumbel=self.gumbel)
+                             gumbel=gumbel)
         logits = out.logits[dev["gather"]].view(S, K + 1, -1)  # [S, K+1, V]
         bitmask = dev.get("token_bitmask")  # [S, K+1, W] structured output (eager steps only)
         if bitmask is not None:  # -inf outside each verified row's grammar mask

@@ -158,6 +158,7 @@ class StepPlanner:
         up.add("temperature", float_bits([sp.device_temperature for sp in params] + [0.0] * pads))
         up.add("top_p", float_bits([sp.top_p for sp in params] + [1.0] * pads))
         up.add("next_ids", p.next_host)
+        up.add("gumbel", [int(sp.seed is not None) for sp in params] + [0] * pads)  # "auto": seeded rows' scheme
 
     @staticmethod
     def next_tokens(it: ScheduledSeq, num_rows: int) -> list[int]:
