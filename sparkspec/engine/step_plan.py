@@ -18,10 +18,8 @@ from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.step_io import Upload, float_bits
 
-# query lengths prefills are padded to, up to the token budget: a prompt chunk of at most 2,048 tokens runs as one
-# graph instead of an eager forward (a 1,000-token system prompt ran as eager chunks of ~20 ms of host launches on
-# the H200 demo pair). Steps of 1.33-1.5x above 512 keep the padding under a third of a chunk.
-PREFILL_LENS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+# query lengths prefills are padded to (short prompts: one graph instead of an eager forward)
+PREFILL_LENS = (16, 32, 64, 128, 256, 512)
 
 
 def prompt_rows(seq, start: int, num_tokens: int) -> range:
