@@ -11,7 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-from sparkspec.engine.config import BATCH_INVARIANT_HELP, SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
+from sparkspec.engine.config import (
+    BATCH_INVARIANT_HELP,
+    DEFAULT_SAMPLING_SCHEME,
+    SAMPLING_SCHEME_HELP,
+    SAMPLING_SCHEMES,
+)
 from sparkspec.paths import DEFAULT_MODEL
 from sparkspec.spec_decode.methods import SPEC_METHODS
 
@@ -71,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token (prefix caching is on by default)")
-    g.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="auto", help=SAMPLING_SCHEME_HELP)
+    g.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default=DEFAULT_SAMPLING_SCHEME,
+                   help=SAMPLING_SCHEME_HELP)
     g.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (one per GPU, or gloo on CPU)")

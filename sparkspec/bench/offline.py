@@ -13,7 +13,12 @@ from dataclasses import dataclass
 
 from sparkspec.bench.common import RequestTiming, format_table, plot, require_plotting, summarize, write_json
 from sparkspec.bench.prompts import load_prompts
-from sparkspec.engine.config import BATCH_INVARIANT_HELP, SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
+from sparkspec.engine.config import (
+    BATCH_INVARIANT_HELP,
+    DEFAULT_SAMPLING_SCHEME,
+    SAMPLING_SCHEME_HELP,
+    SAMPLING_SCHEMES,
+)
 from sparkspec.spec_decode.methods import SPEC_METHODS
 
 
@@ -160,11 +165,11 @@ def shared_prefix_prompts(tok, texts: list[str], prefix_tokens: int, limit: int)
     from sparkspec.bench.prefix import long_chat
 
     system = long_chat(tok, prefix_tokens)[0]
+    base = len(tok.encode_chat([system, {"role": "user", "content": ""}]))  # the prompt without a question
     out = []
     for text in texts:
         msgs = [system, {"role": "user", "content": text}]
         ids = tok.encode_chat(msgs)
-        base = len(tok.encode_chat([system, {"role": "user", "content": ""}]))
         while len(ids) > base + limit and len(msgs[1]["content"]) > 1:
             msgs[1]["content"] = msgs[1]["content"][: int(len(msgs[1]["content"]) * 0.8)]
             ids = tok.encode_chat(msgs)
@@ -196,7 +201,8 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token (prefix caching is on by default)")
-    p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="auto", help=SAMPLING_SCHEME_HELP)
+    p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default=DEFAULT_SAMPLING_SCHEME,
+                   help=SAMPLING_SCHEME_HELP)
     p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
     p.add_argument("--profile-host", action="store_true",
                    help="time the engine's step pieces: host us per step / per request, device-busy fraction")

@@ -11,13 +11,15 @@ import time
 
 from sparkspec.bench.common import table_head, table_row, write_json
 
+FIT_QUESTION = "Which shelf holds item 42?"  # the question the system prompt is cut to fit with
 
-def long_chat(tok, prefix_tokens: int, question: str = "Which shelf holds item 42?") -> list[dict]:
+
+def long_chat(tok, prefix_tokens: int, question: str = FIT_QUESTION) -> list[dict]:
     """A system prompt (numbered notes, cut to fit) and `question`: about `prefix_tokens` tokens in all. The same
     `prefix_tokens` gives the same system prompt whatever the question (`bench offline --shared-prefix-tokens`)."""
     system = " ".join(f"Note {i}: the archive keeps item {i * 37 % 101} on shelf {i % 9}, checked on day {i % 28}."
                       for i in range(max(8, prefix_tokens // 8)))
-    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Which shelf holds item 42?"}]
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": FIT_QUESTION}]
     while len(tok.encode_chat(msgs)) > prefix_tokens and len(system) > 64:
         system = system[: int(len(system) * 0.97)]
         msgs[0]["content"] = system

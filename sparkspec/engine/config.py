@@ -9,6 +9,7 @@ from sparkspec.spec_decode.methods import SPEC_METHODS, SpecMethod
 
 SamplingScheme = Literal["auto", "rejection", "gumbel"]
 SAMPLING_SCHEMES: tuple[str, ...] = ("auto", "rejection", "gumbel")
+DEFAULT_SAMPLING_SCHEME: SamplingScheme = "auto"  # EngineConfig's, and every command's --sampling-scheme
 SAMPLING_SCHEME_HELP = ("auto (the default: gumbel for requests with a seed, rejection for the others), rejection "
                         "(Leviathan et al.: the higher acceptance) or gumbel (Gumbel-max with noise keyed by seed and "
                         "position: the same tokens whatever the drafter, k or the batch)")
@@ -37,7 +38,7 @@ class EngineConfig:
     # with noise keyed by (seed, position): the same tokens as plain decoding whatever the drafter, k or budget;
     # "auto" = gumbel for requests that give a seed (reproducing is what a seed promises), rejection for the rest
     # (its acceptance is higher: README, drafter-invariant sampling)
-    sampling_scheme: SamplingScheme = "auto"
+    sampling_scheme: SamplingScheme = DEFAULT_SAMPLING_SCHEME
     # execution
     enforce_eager: bool = False  # True: no CUDA / HIP graphs (they are captured for decode / verify steps otherwise)
     # batch-invariant kernels (ops/batch_invariant.py): a request's tokens do not depend on the rows its steps share

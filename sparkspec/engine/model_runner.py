@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparkspec.engine.config import DEFAULT_SAMPLING_SCHEME
 from sparkspec.engine.cuda_graphs import GraphKey
 from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.packed_step import PackedStep
@@ -59,7 +60,7 @@ MODE_FLAGS = {"greedy": (True, False, False), "sample": (False, False, False), "
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4Model, proposer=None, max_num_seqs: int = 256,
-                 sampling_scheme: str = "auto"):
+                 sampling_scheme: str = DEFAULT_SAMPLING_SCHEME):
         self.model = model
         self.proposer = proposer
         self.device = next(model.parameters()).device

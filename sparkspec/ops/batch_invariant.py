@@ -13,7 +13,7 @@ batch. In this mode (`set_batch_invariant(True)`, `EngineConfig.batch_invariant`
   chunk order, fp32 accumulation). It is registered as the CUDA kernel of those aten ops (torch.library), so no
   call site changes and none can be missed;
 * ops whose accelerated versions choose a tile or a path by the row count use their `invariant` registrations
-  in the op table (`registry.invariant`): the LM head (its BLOCK_M fixed at 16), the FP8 block linear (tile and
+  in the op table (`registry.invariant`): the LM head (its BLOCK_M fixed at 64), the FP8 block linear (tile and
   split-K fixed by N and K only, never cuBLAS `scaled_mm`), the routed experts (the Triton kernels at every
   size with a fixed tile, never `torch._grouped_mm`; FP4 stacks with a fixed `Fp4Config`);
 * the row-count-dependent configs inside our other kernels are pinned where they are chosen (`pinned()`):

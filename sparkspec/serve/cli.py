@@ -14,7 +14,12 @@ import sys
 import threading
 from pathlib import Path
 
-from sparkspec.engine.config import BATCH_INVARIANT_HELP, SAMPLING_SCHEME_HELP, SAMPLING_SCHEMES
+from sparkspec.engine.config import (
+    BATCH_INVARIANT_HELP,
+    DEFAULT_SAMPLING_SCHEME,
+    SAMPLING_SCHEME_HELP,
+    SAMPLING_SCHEMES,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA / HIP graphs (by default decode and verify steps replay captured graphs on a GPU)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token (prefix caching is on by default)")
-    p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default="auto", help=SAMPLING_SCHEME_HELP)
+    p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default=DEFAULT_SAMPLING_SCHEME,
+                   help=SAMPLING_SCHEME_HELP)
     p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
 
 
@@ -57,7 +63,7 @@ def engine_kwargs(args) -> dict:
         memory_fraction=args.kv_cache_fraction, enforce_eager=args.enforce_eager, device=args.device,
         dtype=args.dtype, quantization=getattr(args, "quantization", "auto"),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-        sampling_scheme=getattr(args, "sampling_scheme", "auto"),
+        sampling_scheme=getattr(args, "sampling_scheme", DEFAULT_SAMPLING_SCHEME),
         batch_invariant=getattr(args, "batch_invariant", False))
 
 
