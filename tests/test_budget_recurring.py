@@ -1,5 +1,7 @@
-"""The adaptive budget's step times count costs that recur on a fraction of the steps (steps that carry a
-joining request's prompt), so the regime follows real throughput; fake clock, no engine."""
+"""The adaptive budget's step times count costs that recur on a fraction of the steps, so the regime follows
+real throughput; fake clock, no engine. (The engine no longer files steps that carry a prompt chunk, which cost
+both arms alike since the split: `test_budget_regime.py`; a recurring cost of one arm, here put on every few
+steps, must still count.)"""
 
 import pytest
 from test_budget_regime import FakeClock, K, accepting, flat_table, run_loop

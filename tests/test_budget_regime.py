@@ -180,3 +180,36 @@ def test_arms_that_schedule_different_request_counts_compare_produced_tokens():
     assert theta["plain"] == pytest.approx(256 / 0.0079) and theta["spec"] == pytest.approx(128 * 3 / 0.020)
     tail = ks[100:]
     assert sum(k > 0 for k in tail) / len(tail) < 0.15, "plain decoding, only probes draft"
+
+
+@pytest.mark.parametrize("file_prompt_steps", [False, True])
+def test_prefill_burst_does_not_condemn_the_arm_first_probed_there(file_prompt_steps):
+    """The H200 demo pair at c = 256: a level opens with a burst of prompt steps (~50 ms each: prefill chunks
+    beside the decode rows of the requests already running), the cost table says draft, and the first probe of
+    plain decoding lands in the burst. After it, plain decoding runs 256 tokens in 5.9 ms and a drafting step
+    ~700 in 25 ms. Steps that carry a prompt chunk are not filed, so plain decoding is judged by its decode steps
+    and wins. Filed (the engine telling no prompt, as before), its burst samples stay in its window, the drafting
+    arm's roll out of its own, and drafting keeps the level (the engine measured plain at 10.7 k tok/s there)."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    accepting(budget, 2)
+    R, ks, proposed = 256, [], 0
+    for n in range(120):
+        budget.step_boundary()
+        burst = n < 16
+        told = burst and not file_prompt_steps
+        k = budget.next_num_drafts(R, R, R, has_prompt=told)
+        budget.note_step(R, R * K if proposed else 0, k, has_prompt=told)
+        if burst:
+            seconds, tokens = (0.055, 296) if proposed else (0.048, 116)
+        else:
+            seconds, tokens = (0.025, 700) if proposed else (0.0059, R)
+        clock.now += seconds
+        budget.note_tokens(tokens)
+        ks.append(k)
+        proposed = k
+    drafting = sum(k > 0 for k in ks[40:]) / len(ks[40:])
+    if file_prompt_steps:
+        assert drafting > 0.5  # the defect this guards against, reproduced
+    else:
+        assert drafting < 0.15, "plain decoding, only probes draft"

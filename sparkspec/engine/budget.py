@@ -27,7 +27,8 @@ run eagerly instead of as a CUDA graph (the eager drafter is many small launches
 adaptive ran at 0.45x plain decoding.
 So the regime decision ("propose and verify drafts" = arm `spec`, or "plain decoding" = arm `plain`) reads the
 wall time the engine actually sees: `StepTimes` keeps, per request-count bucket and arm, the (trimmed) mean of the
-last intervals between the starts of consecutive steps (everything the engine and its caller do per step), and
+last intervals between the starts of consecutive steps (everything the engine and its caller do per step; steps
+that carry a prompt chunk are not filed, since the chunk costs both arms the same: `note_step`), and
     Theta_arm = produced tokens / seconds over the arm's samples (the engine tells each step's tokens),
 else Theta_plain = R / T_plain(R), Theta_spec = tau_spec(R) / T_spec(R) with tau_spec from the online acceptance
 estimate (R (1 + sum_j a_j) on padded steps). The choice is the argmax. The engine buckets steps by the requests
@@ -201,7 +202,8 @@ class StepTimes:
     steps carried a prompt and `execute` averaged 10.8 ms against ~2 ms for a graph step (so ~45 ms per eager
     step). The median of the spec arm was its graph step, so drafting looked 2x ahead of plain
     decoding while it ran at 0.45x. Dropping the one largest sample still absorbs a single JIT compile or GC
-    pause (a recurring cost has more samples in the window than the one dropped)."""
+    pause (a recurring cost has more samples in the window than the one dropped). Steps that carry a prompt
+    chunk are no longer filed at all (`VerificationBudget.note_step`): since the split they cost both arms alike."""
 
     def __init__(self, window: int = 16, max_seconds: float = 10.0, min_trim: int = 4):
         self.window = window
@@ -292,25 +294,36 @@ class VerificationBudget:
         self._probes: dict[int, _Probe] = {}
         self._proposing = False  # the last `next_num_drafts` asked for drafts: padded steps verify them all
         self._step_start: float | None = None
-        self._last_step: tuple[int, bool, bool] | None = None  # (bucket requests, verified any, proposed any)
+        self._last_step: tuple[int, bool, bool, bool] | None = None  # (bucket requests, verified any, proposed
+        # any, carried a prompt chunk)
         self._last_tokens: int | None = None  # tokens the step in progress produced (`note_tokens`)
 
     # ---- whole-step wall time ----
     def step_boundary(self) -> None:
         """A step starts: the interval since the previous start is that step's wall time, filed under its arm
-        (steps that verified and proposed drafts: spec; neither: plain; a transition between them: not filed)."""
+        (steps that verified and proposed drafts: spec; neither: plain; a transition between them, or a step that
+        carried a prompt chunk: not filed)."""
         now = self.clock()
         if self._step_start is not None and self._last_step is not None:
-            num_reqs, verified, proposed = self._last_step
-            if verified == proposed:
+            num_reqs, verified, proposed, has_prompt = self._last_step
+            if verified == proposed and not has_prompt:
                 self.step_times.observe(num_reqs, "spec" if verified else "plain", now - self._step_start,
                                         self._last_tokens)
         self._step_start, self._last_step, self._last_tokens = now, None, None
 
-    def note_step(self, num_reqs: int, num_verified: int, num_proposed: int) -> None:
+    def note_step(self, num_reqs: int, num_verified: int, num_proposed: int, has_prompt: bool = False) -> None:
         """What the step that `step_boundary` opened does: its bucket's request count (the requests the engine
-        runs, or those that sample), drafts verified, drafts to propose."""
-        self._last_step = (num_reqs, num_verified > 0, num_proposed > 0)
+        runs, or those that sample), drafts verified, drafts to propose, and whether it carries a prompt chunk.
+
+        Steps with a prompt chunk are not filed under either arm. The arms differ only in their decode rows: a
+        chunk costs the same under both (its prefill graph, or its rows of the eager forward, plus the drafter's
+        context rows, which are written on every step), so such a step says nothing about which arm is faster,
+        and its wall time is mostly the prefill. Filed, it did harm: at a level's start every step is a prefill
+        burst, and the arm not chosen keeps the few samples its first probe took there. On the H200 demo pair at
+        c = 256 the plain arm held 47.7, 15.1 and 5.9 ms (two prefill-heavy steps, one decode step) against ~25 ms
+        for a drafting step of ~700 tokens, so plain decoding (256 tokens / 5.9 ms) measured at 10.7 k tok/s
+        against drafting's 27 k and was never chosen again in the level."""
+        self._last_step = (num_reqs, num_verified > 0, num_proposed > 0, has_prompt)
 
     def note_tokens(self, num_tokens: int) -> None:
         """Tokens the step in progress produced (after its commit). With them the measured arms compare tokens
@@ -378,11 +391,14 @@ class VerificationBudget:
         theta, k = self._model(num_reqs, num_base_tokens)
         return k if theta["spec"] > theta["plain"] else 0
 
-    def next_num_drafts(self, num_reqs: int, num_base_tokens: int, num_running: int | None = None) -> int:
+    def next_num_drafts(self, num_reqs: int, num_base_tokens: int, num_running: int | None = None,
+                        has_prompt: bool = False) -> int:
         """Once per engine step: `plan_num_drafts`, except during a probe of the other arm. A probe starts every
         `probe_every` decisions of a bucket (twice that where one arm is > 25 % ahead), or right away (up to
         `max_first_probes` times) while the arm has fewer than `min_samples` samples; it lasts `probe_len`
-        decisions. `num_running`: the request count that buckets the measurements (`note_step`'s)."""
+        decisions. `num_running`: the request count that buckets the measurements (`note_step`'s). No probe
+        starts on a step that carries a prompt chunk (`has_prompt`): the next one most likely does too (prompts
+        arrive in bursts), and such steps are not filed (`note_step`), so the probe would measure nothing."""
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
         key = num_reqs if num_running is None else num_running
@@ -390,7 +406,7 @@ class VerificationBudget:
         best: Arm = "spec" if theta["spec"] > theta["plain"] else "plain"
         st = self._probes.setdefault(bucket_of(key), _Probe())
         st.num_decisions += 1
-        if not st.left:
+        if not st.left and not has_prompt:
             other: Arm = "plain" if best == "spec" else "spec"
             since = st.num_decisions - st.last_start
             unseen = self.step_times.count(key, other) < self.min_samples

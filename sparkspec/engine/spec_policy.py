@@ -75,8 +75,9 @@ class SpecPolicy:
         `num_running`: the requests the engine runs (buckets the budget's measurements; default: those sampling)."""
         num_sampling = sum(1 for it in items if it.samples)
         key = num_sampling if num_running is None else max(num_running, 1)
-        k = self.budget.next_num_drafts(num_sampling, num_sampling, key) if num_sampling else 0
-        self.budget.note_step(key, self._num_verified, k)
+        has_prompt = any(it.num_tokens != 1 or not it.seq.output_ids for it in items)  # a chunk, not a decode row
+        k = self.budget.next_num_drafts(num_sampling, num_sampling, key, has_prompt) if num_sampling else 0
+        self.budget.note_step(key, self._num_verified, k, has_prompt)
         if num_sampling and k == 0 and stats is not None:
             stats.num_drafter_skipped_steps += 1
         return k
