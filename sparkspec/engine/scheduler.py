@@ -90,6 +90,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first, youngest last
+        self._reserved: list[Sequence] = []  # sequences the last `schedule` gave draft slots (trimmed after it)
         self.num_preemptions = 0
 
     # ---- requests in and out ----
@@ -155,6 +156,8 @@ class Scheduler:
             n = min(left, budget)
             is_decode = n == left == 1 and seq.output_ids  # pending token = last output
             lookahead = self.lookahead_for(seq, budget - n) if is_decode and c.num_lookahead_tokens else 0
+            if lookahead:
+                self._reserved.append(seq)
             if -(-(nc + n + lookahead) // bs) + extra <= len(seq.block_ids):  # its blocks suffice (most steps)
                 out.scheduled.append(ScheduledSeq(seq, n, lookahead, versions.get(seq.seq_id, -1)))
                 budget -= n + lookahead
@@ -231,13 +234,15 @@ class Scheduler:
             for seq in finished:
                 self.release(seq)
         bs, extra = bm.block_size, bm.blocks_per_seq
-        G, registered = bm.granularity, bm.num_registered
-        caching = bm.enable_prefix_caching
-        for seq in self.running:  # blocks_for inlined: this runs for every running sequence every step
-            if len(seq.block_ids) > -(-seq.num_tokens // bs) + extra:
+        for seq in self._reserved:  # only rows that reserved draft slots can hold blocks past their tokens
+            if not seq.is_finished and len(seq.block_ids) > -(-seq.num_tokens // bs) + extra:
                 bm.trim(seq, seq.num_tokens)
-            if caching and seq.num_cached_tokens >= registered.get(seq.seq_id, 0) + G:  # a group completed
-                bm.register(seq)
+        self._reserved = []
+        if bm.enable_prefix_caching:
+            G, registered = bm.granularity, bm.num_registered
+            for seq in self.running:  # this runs for every running sequence every step
+                if seq.num_cached_tokens >= registered.get(seq.seq_id, 0) + G:  # a group completed
+                    bm.register(seq)
         return finished
 
     # ---- stats ----
