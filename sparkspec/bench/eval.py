@@ -6,7 +6,11 @@ tokens), `--max-tokens` new tokens, seed = `--seed` + prompt index. Metrics per 
 verify steps of all prompts, as defined in `sparkspec.spec_decode.metrics`: τ, accept_rate@i (prefix survival)
 and cond@i = accept_rate@i / accept_rate@(i-1) (the DSpark paper's Fig. 2). tok/s = generated tokens / wall
 time of the generation loop (prefill included, engine start-up excluded), and the same for plain decoding when
-`--baseline` is given (speed ratio in one run).
+`--baseline` is given (speed ratio in one run). `--sampling-scheme` picks how sampled rows draw and verify
+(`EngineConfig.sampling_scheme`; the prompts carry seeds, so "auto" is the Gumbel-max scheme); a comma list
+measures each, one engine per (method, scheme), on the same prompts and seeds. `--gumbel-draft-temperature`
+measures the Gumbel rows' proposal rule (`sampling.sample_draft`): the output is the same for every value (the
+scheme is drafter-invariant), only τ moves.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from sparkspec.engine.config import DEFAULT_SAMPLING_SCHEME, SAMPLING_SCHEMES
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 
@@ -27,6 +33,11 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("--data-dir", type=Path, default=None,
                    help="where <name>.jsonl live (default: $SPARKSPEC_EVAL_DIR, else the repository's data/eval)")
     p.add_argument("--temperature", default="0", help="0 | 1, or a comma list")
+    p.add_argument("--sampling-scheme", default=DEFAULT_SAMPLING_SCHEME,
+                   help=f"{' | '.join(SAMPLING_SCHEMES)}, or a comma list (default {DEFAULT_SAMPLING_SCHEME}: the "
+                        "prompts carry seeds, so gumbel)")
+    p.add_argument("--gumbel-draft-temperature", default="1",  # sampling.DEFAULT_GUMBEL_DRAFT_TEMPERATURE
+                   help="the drafter's temperature s on Gumbel-max rows (argmax(log q / s + G)), or a comma list")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-spec-tokens", type=int, default=None, help="k (default: block size / 1 / 4)")
@@ -45,12 +56,22 @@ def load_prompts(name: str, data_dir: Path | None, tokenizer, num: int) -> list[
     return [tokenizer.encode_chat([{"role": "user", "content": t[0]}]) for t in turns]
 
 
-def make_engine(checkpoint, method: str, k: int | None, max_len: int):
-    """One batch-1 engine per method (method 'none' = plain decoding), shared by every dataset and temperature."""
+def make_engine(checkpoint, method: str, k: int | None, max_len: int, scheme: str = DEFAULT_SAMPLING_SCHEME,
+                draft_temperature: float | None = None):
+    """One batch-1 engine per (method, scheme, Gumbel draft temperature) (method 'none' = plain decoding), shared by
+    every dataset and temperature."""
     from sparkspec.engine.llm import LLM
+    from sparkspec.engine.llm_engine import LLMEngine
+    from sparkspec.ops.sampling import DEFAULT_GUMBEL_DRAFT_TEMPERATURE
+    from sparkspec.spec_decode.build import build_proposer
 
-    return LLM(checkpoint, speculative=method, num_spec_tokens=k, spec_budget="fixed", max_num_seqs=1,
-               max_model_len=max_len)
+    llm = LLM(checkpoint, speculative=method, num_spec_tokens=k, spec_budget="fixed", max_num_seqs=1,
+              max_model_len=max_len, sampling_scheme=scheme)
+    if draft_temperature not in (None, DEFAULT_GUMBEL_DRAFT_TEMPERATURE):  # no EngineConfig field: own drafter
+        proposer = build_proposer(method, checkpoint.model, checkpoint.drafter_tensors, k, draft_temperature)
+        llm.engine = LLMEngine(checkpoint.model, checkpoint.tokenizer, llm.engine.config, checkpoint.drafter_tensors,
+                               proposer=proposer)
+    return llm
 
 
 def run_method(llm, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int) -> dict:
@@ -77,11 +98,12 @@ def run_method(llm, prompts: list[list[int]], temperature: float, max_tokens: in
 
 def format_table(rows: list[dict]) -> str:
     k = max((r.get("k", 0) for r in rows), default=0)
-    head = ["dataset", "method", "T", "n", "tau", "tok/s"] + [f"c@{i + 1}" for i in range(k)]
+    head = ["dataset", "method", "scheme", "s", "T", "n", "tau", "tok/s"] + [f"c@{i + 1}" for i in range(k)]
     lines = [head]
     for r in rows:
         cond = r.get("cond_accept", [])
-        lines.append([r["dataset"], r["method"], f"{r['temperature']:g}", str(r["prompts"]),
+        lines.append([r["dataset"], r["method"], r.get("scheme", ""), f"{r.get('gumbel_draft_temperature', 1):g}",
+                      f"{r['temperature']:g}", str(r["prompts"]),
                       f"{r['tau']:.3f}" if "tau" in r else "1", f"{r['tok_s']:.1f}"]
                      + [f"{cond[i]:.3f}" if i < len(cond) else "" for i in range(k)])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
@@ -100,8 +122,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in rows:
             if r["dataset"] == ds and "cond_accept" in r:
                 xs = range(1, len(r["cond_accept"]) + 1)
-                ax.plot(xs, r["cond_accept"], marker="o", label=f"{r['method']} T={r['temperature']:g} "
-                                                                 f"(tau {r['tau']:.2f})")
+                ax.plot(xs, r["cond_accept"], marker="o", label=f"{r['method']} {r.get('scheme', '')} "
+                                                                 f"T={r['temperature']:g} (tau {r['tau']:.2f})")
         ax.set_title(ds)
         ax.set_xlabel("draft position")
         ax.set_ylabel("conditional acceptance")
@@ -139,20 +161,28 @@ def cmd_eval(args) -> int:
         find_eval_file(ds, args.data_dir)
     methods = (["none"] if args.baseline else []) + [m.strip() for m in args.spec.split(",") if m.strip()]
     temps = [float(t) for t in args.temperature.split(",")]
+    schemes = [x.strip() for x in args.sampling_scheme.split(",") if x.strip()]
+    for x in schemes:
+        if x not in SAMPLING_SCHEMES:
+            raise ValueError(f"--sampling-scheme {x!r}: expected one of {SAMPLING_SCHEMES}")
+    draft_temps = [float(x) for x in args.gumbel_draft_temperature.split(",")]
+    runs = [(m, x, s) for m in methods for x in (schemes if m != "none" else schemes[:1])  # plain: one of each
+            for s in (draft_temps if m != "none" and x != "rejection" else draft_temps[:1])]
     ck = load_checkpoint(model_dir, device=args.device, progress=True)
     if ck.tokenizer is None:
         raise ValueError(f"{model_dir}: no tokenizer.json (eval needs the chat template)")
     prompts = {ds: load_prompts(ds, args.data_dir, ck.tokenizer, args.num_prompts) for ds in datasets}
     longest = max((len(p) for ps in prompts.values() for p in ps), default=1)
     max_len = min(longest + args.max_tokens, ck.config.max_position_embeddings)
-    engines = {m: make_engine(ck, m, args.num_spec_tokens, max_len) for m in methods}
+    engines = {r: make_engine(ck, r[0], args.num_spec_tokens, max_len, r[1], r[2]) for r in runs}
     rows = []
     for ds in datasets:
         for t in temps:
-            for method in methods:
-                row = {"dataset": ds, **run_method(engines[method], prompts[ds], t, args.max_tokens, args.seed)}
+            for method, scheme, s in runs:
+                row = {"dataset": ds, "scheme": scheme, "gumbel_draft_temperature": s,
+                       **run_method(engines[method, scheme, s], prompts[ds], t, args.max_tokens, args.seed)}
                 rows.append(row)
-                print(f"{ds} {method} T={t:g}: tau {row.get('tau', 1.0)}  {row['tok_s']} tok/s  "
+                print(f"{ds} {method} {scheme} s={s:g} T={t:g}: tau {row.get('tau', 1.0)}  {row['tok_s']} tok/s  "
                       f"cond {row.get('cond_accept', '')}", file=sys.stderr, flush=True)
                 if args.json:  # rewritten after every row: a run cut short keeps what it measured
                     write_json(args.json, model_dir, ck.model, args, rows)

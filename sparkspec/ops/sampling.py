@@ -268,30 +268,45 @@ def mask_draft_probs(
     return torch.where(mass > 0, qm / torch.where(mass > 0, mass, 1.0), q)
 
 
+# the Gumbel rows' proposal rule s (`sample_draft`): the best measured on the demo pair (`sparkspec eval
+# --gumbel-draft-temperature`)
+DEFAULT_GUMBEL_DRAFT_TEMPERATURE = 1.0
+
+
 def sample_draft(
     logits: torch.Tensor,  # [R, V] a drafter's logits
     st: SamplingTensors,  # R rows
     offsets: torch.Tensor,  # [R] int64: absolute position of the draft
     stream: int,
+    gumbel_temperature: float = DEFAULT_GUMBEL_DRAFT_TEMPERATURE,  # s of the Gumbel rows' proposal rule (host)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft per row and the exact q it was drawn from -> (ids [R] int64, q [R, V] fp32, or None when every row
     uses the Gumbel-max scheme: its verification needs no q).
 
-    Rejection rows draw from q with `stream` at `offsets`; Gumbel rows draw argmax(log q + G) with the target's
+    Rejection rows draw from q with `stream` at `offsets`; Gumbel rows draw argmax(log q_s + G) with the target's
     own noise at the draft's position (`gumbel_sample`, STREAM_GUMBEL), which is what makes a good drafter's
-    draft equal the target's token there. A row whose distribution is not finite (a numerically broken drafter)
-    drafts deterministically instead: the argmax of its non-NaN logits, with q one-hot on it. Verification stays
-    lossless (it is for any draft whose q is exact, and for any draft at all under the Gumbel scheme), the id is
-    in range, and the target, not the drafter, decides the request's tokens."""
+    draft equal the target's token there. q_s is the drafter's distribution with its logits divided by
+    `gumbel_temperature` before the request's processing (s < 1 sharpens, s > 1 flattens): any rule is lossless
+    under the Gumbel scheme (verification never reads q), only the acceptance changes. s = 1 is the default: when
+    the drafter's log q errs on log p alike for every token, argmax(log q + G) is the token most likely to be the
+    target's argmax(log p + G); on the demo pair (DSpark k = 7, T = 0.7 and 1) every other s tried accepts less, as
+    do cutting q's tail by top-p and replacing log q by a calibrated log E[p | q].
+
+    A row whose distribution is not finite (a numerically broken drafter) drafts deterministically instead: the
+    argmax of its non-NaN logits, with q one-hot on it. Verification stays lossless (it is for any draft whose q is
+    exact, and for any draft at all under the Gumbel scheme), the id is in range, and the target, not the drafter,
+    decides the request's tokens."""
     fallback = logits.float().masked_fill(torch.isnan(logits), float("-inf")).argmax(-1)  # [R], 0 if all NaN
+    # a positive scale keeps every argmax (greedy rows) and every non-finite value's finiteness (the checks)
+    proposal = logits if gumbel_temperature == 1.0 else logits.float() / gumbel_temperature
     if st.all_gumbel:
-        ids, ok = gumbel_sample(logits, st, offsets)
+        ids, ok = gumbel_sample(proposal, st, offsets)
         return torch.where(ok, ids, fallback), None
     q = probs_for(logits, st)
     ok = is_finite_dist(logits, q)  # [R]
     ids = sample(q, st.seeds, offsets, stream)
     if st.any_gumbel:
-        ids = torch.where(st.gumbel, gumbel_sample(logits, st, offsets)[0], ids)
+        ids = torch.where(st.gumbel, gumbel_sample(proposal, st, offsets)[0], ids)
     ids = torch.where(ok, ids, fallback)
     one_hot = torch.zeros_like(q).scatter_(1, fallback.unsqueeze(1), 1.0)
     return ids, torch.where(ok.unsqueeze(1), q, one_hot)

@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
+from sparkspec.ops.sampling import DEFAULT_GUMBEL_DRAFT_TEMPERATURE
 from sparkspec.spec_decode.methods import DRAFT_METHODS
 from sparkspec.spec_decode.proposer import Proposer
 
@@ -31,10 +32,14 @@ def _place(drafter: torch.nn.Module, model: DeepseekV4Model) -> torch.nn.Module:
 
 
 def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[str, torch.Tensor] | None = None,
-                   num_spec_tokens: int | None = None) -> Proposer:
-    """A drafter for `model`. `drafter_tensors`: the checkpoint's `mtp.*` tensors (others are ignored).
+                   num_spec_tokens: int | None = None,
+                   gumbel_draft_temperature: float = DEFAULT_GUMBEL_DRAFT_TEMPERATURE) -> Proposer:
+    """A drafter for `model`. `drafter_tensors`: the checkpoint's `mtp.*` tensors (others are ignored);
+    `gumbel_draft_temperature`: the device drafters' proposal rule for Gumbel-max rows (`sampling.sample_draft`;
+    n-gram drafts are one-hot and have none).
 
-    Errors (ValueError, one line): unknown method, num_spec_tokens < 1, no DSpark / MTP weights or config.
+    Errors (ValueError, one line): unknown method, num_spec_tokens < 1, gumbel_draft_temperature <= 0, no DSpark /
+    MTP weights or config.
     Warnings (the positions beyond what the drafter was trained for draft, but are rarely accepted): DSpark with
     num_spec_tokens > dspark_block_size; MTP with num_spec_tokens > its MTP layers (the later steps reuse a layer
     trained for an earlier one)."""
@@ -43,6 +48,8 @@ def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[st
     k = default_num_spec_tokens(method, model) if num_spec_tokens is None else num_spec_tokens
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"num_spec_tokens = {k!r}: expected an integer >= 1")
+    if not gumbel_draft_temperature > 0 or gumbel_draft_temperature == float("inf"):
+        raise ValueError(f"gumbel_draft_temperature = {gumbel_draft_temperature!r}: expected a finite number > 0")
     tensors = drafter_tensors or {}
     if method == "ngram":
         from sparkspec.spec_decode.ngram import NgramProposer
@@ -57,7 +64,7 @@ def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[st
         if k > block:
             warnings.warn(f"num_spec_tokens = {k} > dspark_block_size = {block}: draft positions {block + 1}..{k} "
                           "were never trained and will rarely be accepted", stacklevel=2)
-        return DSparkProposer(model, drafter, k)
+        return DSparkProposer(model, drafter, k, gumbel_draft_temperature)
     from sparkspec.loading.drafters import mtp_from_tensors
     from sparkspec.spec_decode.mtp import MTPProposer
 
@@ -66,4 +73,4 @@ def build_proposer(method: str, model: DeepseekV4Model, drafter_tensors: dict[st
         warnings.warn(f"num_spec_tokens = {k} > MTP layers = {drafter.num_layers}: draft positions "
                       f"{drafter.num_layers + 1}..{k} reuse a layer trained for an earlier position and will rarely "
                       "be accepted", stacklevel=2)
-    return MTPProposer(model, drafter, k)
+    return MTPProposer(model, drafter, k, gumbel_draft_temperature)

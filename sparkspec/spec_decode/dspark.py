@@ -21,15 +21,16 @@ import torch.nn.functional as F
 
 from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
 from sparkspec.models.dspark import DSparkDraftModel, calibrated_confidences
-from sparkspec.ops.sampling import STREAM_DRAFT, sample_draft
+from sparkspec.ops.sampling import DEFAULT_GUMBEL_DRAFT_TEMPERATURE, STREAM_DRAFT, sample_draft
 from sparkspec.spec_decode.proposer import DeviceProposer, DraftBatch, StepRows
 
 
 class DSparkProposer(DeviceProposer):
     method = "dspark"
 
-    def __init__(self, target: DeepseekV4Model, drafter: DSparkDraftModel, num_spec_tokens: int):
-        super().__init__(num_spec_tokens)
+    def __init__(self, target: DeepseekV4Model, drafter: DSparkDraftModel, num_spec_tokens: int,
+                 gumbel_draft_temperature: float = DEFAULT_GUMBEL_DRAFT_TEMPERATURE):
+        super().__init__(num_spec_tokens, gumbel_draft_temperature)
         self.target, self.drafter = target, drafter
         self.tap_layers = tuple(target.cfg.dspark_target_layer_ids)
         self.window = drafter.window
@@ -95,7 +96,8 @@ class DSparkProposer(DeviceProposer):
             else:
                 # [R], [R, V] the exact draft distribution (one-hot on a fixed id where it is not finite); no q
                 # when every request uses the Gumbel-max scheme (its verification never reads one)
-                prev, q = sample_draft(logits, step.sampling, step.pending_pos + 1 + i, STREAM_DRAFT)
+                prev, q = sample_draft(logits, step.sampling, step.pending_pos + 1 + i, STREAM_DRAFT,
+                                       self.gumbel_draft_temperature)
                 if q is not None:
                     probs.append(q)
             tokens.append(prev)

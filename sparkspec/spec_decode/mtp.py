@@ -20,7 +20,7 @@ from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
 from sparkspec.models.mtp import MTPDraftModel
 from sparkspec.ops import ops
 from sparkspec.ops.indices import paged_attention_indices
-from sparkspec.ops.sampling import STREAM_DRAFT, sample_draft
+from sparkspec.ops.sampling import DEFAULT_GUMBEL_DRAFT_TEMPERATURE, STREAM_DRAFT, sample_draft
 from sparkspec.spec_decode.proposer import DeviceProposer, DraftBatch, StepRows
 
 
@@ -28,8 +28,9 @@ class MTPProposer(DeviceProposer):
     method = "mtp"
     needs_final_streams = True
 
-    def __init__(self, target: DeepseekV4Model, drafter: MTPDraftModel, num_spec_tokens: int):
-        super().__init__(num_spec_tokens)
+    def __init__(self, target: DeepseekV4Model, drafter: MTPDraftModel, num_spec_tokens: int,
+                 gumbel_draft_temperature: float = DEFAULT_GUMBEL_DRAFT_TEMPERATURE):
+        super().__init__(num_spec_tokens, gumbel_draft_temperature)
         self.target, self.drafter = target, drafter
         self.window = drafter.window
         self._streams: torch.Tensor | None = None  # [T] layer output of the last observed step
@@ -80,7 +81,8 @@ class MTPProposer(DeviceProposer):
                 continue
             # a row whose q is not finite drafts a fixed id with a one-hot q (`sample_draft`): lossless, in range;
             # Gumbel-max requests draw with the target's noise at the draft's position and need no q
-            token, q = sample_draft(logits, step.sampling, step.pending_pos + 1 + j, STREAM_DRAFT)
+            token, q = sample_draft(logits, step.sampling, step.pending_pos + 1 + j, STREAM_DRAFT,
+                                    self.gumbel_draft_temperature)
             tokens.append(token)
             if q is not None:
                 probs.append(q)

@@ -26,7 +26,7 @@ import torch
 from sparkspec.models.deepseek_v4 import ModelOutput
 from sparkspec.models.forward_batch import ForwardBatch
 from sparkspec.ops.indices import window_rows
-from sparkspec.ops.sampling import SamplingTensors
+from sparkspec.ops.sampling import DEFAULT_GUMBEL_DRAFT_TEMPERATURE, SamplingTensors
 
 
 @dataclass
@@ -79,9 +79,12 @@ class DeviceProposer(Proposer):
 
     on_device = True
 
-    def __init__(self, num_spec_tokens: int):
+    def __init__(self, num_spec_tokens: int, gumbel_draft_temperature: float = DEFAULT_GUMBEL_DRAFT_TEMPERATURE):
         super().__init__(num_spec_tokens)
         self.pools: list[torch.Tensor] = []  # per draft layer [N·bs + 1, D] context K=V rows by position
+        # the Gumbel-max rows' proposal rule (`sampling.sample_draft`): fixed for the proposer's life, since captured
+        # graphs bake it in
+        self.gumbel_draft_temperature = gumbel_draft_temperature
 
     @abstractmethod
     def observe(self, step: StepRows) -> None:
