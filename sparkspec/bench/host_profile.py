@@ -2,7 +2,8 @@
 
 `HostProfiler.attach(engine)` wraps, on that engine instance only, the pieces `LLMEngine.step` calls (the
 scheduler's `schedule` and `release_after_step`, the speculation policy's `choose` / `num_drafts_to_propose`, the
-runner's `execute`, the engine's `commit` / `emit`) and the one device->host copy (`step_io.Download.fetch`, which
+runner's `execute` (and `launch`: a step launched ahead by async scheduling), the engine's `commit` / `emit`) and
+the one device->host copy (`step_io.Download.fetch`, or `PendingFetch.wait` for a step launched ahead, which
 blocks until the device has finished the step). Nothing in the engine changes and nothing is wrapped without the
 flag, so the timed path costs nothing when profiling is off. Pieces an engine does not have are skipped.
 
@@ -139,14 +140,18 @@ class HostProfiler:
         wrap(getattr(engine, "spec", None), "choose", lambda f: self._timed("choose", f))
         wrap(getattr(engine, "spec", None), "num_drafts_to_propose", lambda f: self._timed("propose_plan", f))
         wrap(getattr(engine, "runner", None), "execute", execute_wrapper)
+        wrap(getattr(engine, "runner", None), "launch", execute_wrapper)  # async scheduling: a step launched ahead
         wrap(engine, "commit", lambda f: self._timed("commit", f))
         wrap(engine, "emit", lambda f: self._timed("emit", f))
         fetch = step_io.Download.fetch  # a class attribute: every step makes its own Download
         step_io.Download.fetch = self._timed("device_wait", fetch)
+        wait = step_io.PendingFetch.wait  # the read of a step launched ahead
+        step_io.PendingFetch.wait = self._timed("device_wait", wait)
         try:
             yield self
         finally:
             step_io.Download.fetch = fetch
+            step_io.PendingFetch.wait = wait
             for obj, name in reversed(patched):
                 delattr(obj, name)
 

@@ -16,6 +16,7 @@ from sparkspec.bench.prompts import load_prompts
 from sparkspec.engine.config import (
     BATCH_INVARIANT_HELP,
     DEFAULT_SAMPLING_SCHEME,
+    NO_ASYNC_SCHEDULING_HELP,
     SAMPLING_SCHEME_HELP,
     SAMPLING_SCHEMES,
 )
@@ -125,7 +126,8 @@ def run_offline(args) -> list[dict]:
                            enforce_eager=args.enforce_eager,
                            enable_prefix_caching=args.enable_prefix_caching,
                            sampling_scheme=args.sampling_scheme,
-                           batch_invariant=getattr(args, "batch_invariant", False)).engine
+                           batch_invariant=getattr(args, "batch_invariant", False),
+                           async_scheduling=getattr(args, "async_scheduling", None)).engine
         engine.emit_unfinished = False  # the loop reads finished requests only, as `LLM.generate` does
         startup = time.perf_counter() - t0
         engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -204,6 +206,8 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default=DEFAULT_SAMPLING_SCHEME,
                    help=SAMPLING_SCHEME_HELP)
     p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
+                   help=NO_ASYNC_SCHEDULING_HELP)
     p.add_argument("--profile-host", action="store_true",
                    help="time the engine's step pieces: host us per step / per request, device-busy fraction")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")

@@ -41,6 +41,12 @@ class EngineConfig:
     sampling_scheme: SamplingScheme = DEFAULT_SAMPLING_SCHEME
     # execution
     enforce_eager: bool = False  # True: no CUDA / HIP graphs (they are captured for decode / verify steps otherwise)
+    # async scheduling (LLMEngine.step): the next decode step is scheduled and launched before the host reads the
+    # one on the device, so the host's commit / emit / scheduling overlaps the device. None: on wherever it
+    # applies (captured graphs; plain decode steps, also a drafting engine's steps that neither verify nor
+    # propose drafts; steps with drafts, prompts, logprobs or grammars run in turn); False turns it off
+    # (debugging; the tokens are the same either way)
+    async_scheduling: bool | None = None
     # batch-invariant kernels (ops/batch_invariant.py): a request's tokens do not depend on the rows its steps share
     # with other requests (fixed-tile GEMMs instead of cuBLAS, pinned norm / mHC / head / FP8 / MoE tiles); off by
     # default until its cost is measured. Process-wide: `apply_batch_invariant(config)` sets it when an engine starts
@@ -67,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"memory_fraction = {self.memory_fraction!r}: expected a number in (0, 1]")
 
 
+NO_ASYNC_SCHEDULING_HELP = ("step in turn: read each decode step before scheduling the next (by default, where graphs "
+                            "are captured and nothing drafts, the next step is launched first; same tokens)")
 BATCH_INVARIANT_HELP = ("batch-invariant kernels: a request's greedy tokens do not depend on its batch or on "
                         "speculation (fixed-tile GEMMs instead of cuBLAS; slower, see README)")
 

@@ -154,7 +154,8 @@ class InputBatch:
             return None
         seqs = [it.seq for it in items]
         num_cached = np.asarray([s.num_cached_tokens for s in seqs], dtype=np.int64)  # [n]
-        num_tokens = np.asarray([len(s.prompt_ids) + len(s.output_ids) for s in seqs], dtype=np.int64)
+        num_tokens = np.asarray([len(s.prompt_ids) + len(s.output_ids) + s.num_inflight for s in seqs],
+                                dtype=np.int64)  # (a token in flight is the pending one: read on the device)
         if (num_cached + 1 != num_tokens).any():  # a chunk that does not reach the end: it does not sample
             return None
         slots = self.slots_for(seqs)
@@ -206,4 +207,5 @@ class InputBatch:
         p = PackedStep(items, drafts, sampling=list(range(n)), K=K, mode=mode, num_drafts=key.num_drafts,
                        keep_drafts=keep, key=key)
         p.flat = flat
+        p.slots = slots
         return p

@@ -15,7 +15,7 @@ from sparkspec.engine.block_manager import BlockManager, hit_granularity
 from sparkspec.engine.config import EngineConfig, apply_batch_invariant
 from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.kv_plan import KVCachePlan, plan_kv_cache
-from sparkspec.engine.model_runner import ModelRunner
+from sparkspec.engine.model_runner import InFlightStep, ModelRunner
 from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from sparkspec.engine.sequence import Sequence, TokenSource
 from sparkspec.engine.step_result import StepResult
@@ -154,6 +154,9 @@ class LLMEngine:
         # up to date each step) or, when off, only for finished requests (`generate`, offline benchmarks: a
         # request's text is then decoded once, when it finishes, unless its stop strings need it earlier)
         self.emit_unfinished = True
+        # async scheduling (`step`): the decode step launched and not yet read, with its items
+        self.async_scheduling = config.async_scheduling is not False
+        self._inflight: tuple[list[ScheduledSeq], InFlightStep] | None = None
 
     def grammars(self):
         """The structured-output backend (xgrammar over this tokenizer and the model's vocabulary)."""
@@ -227,19 +230,106 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._inflight is not None or self.scheduler.has_unfinished()
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> free -> emit."""
+        """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> free -> emit.
+
+        Async scheduling (on by default where graphs are captured): while every running request decodes plainly
+        (no prompt waiting or chunking, no logprobs, grammar or drafts to verify, and, with a drafter, the budget
+        proposes none for the step: its plain arm), a step schedules
+        and launches the next decode step BEFORE it reads the one on the device, then commits and emits that one
+        while the device runs the next. The host's per-request work (commit, stop checks, emit, scheduling,
+        packing) then hides behind the device instead of adding to it. What makes it exact: a request's token
+        in flight is counted by `Sequence.num_inflight` (the scheduler sees the pending token, the upload its
+        position), the launched step reads it on the device (`ModelRunner.launch`), and a row of a request that
+        the step in flight finished (EOS, a stop string, an abort) is computed and dropped: its result is never
+        committed, its rows past the request's end are never read. A request that is at its last token, a prompt
+        that waits, or any step `launch` cannot take ends the overlap: the step in flight is read first, and the
+        engine steps in turn until the batch is plain decoding again. The tokens are those of the synchronous
+        engine (tests/test_async_scheduling.py); outputs come one step later."""
+        if self._inflight is not None and not self.can_overlap():
+            return self.finish_inflight()
         sched = self.scheduler.schedule()
         self.stats.num_prefix_cache_queries += sched.num_queried_tokens
         self.stats.num_prefix_cache_hits += sched.num_hit_tokens
         if sched.is_empty:
-            return []
+            return self.finish_inflight() if self._inflight is not None else []
         items = sched.scheduled
-        drafts, rows = self.spec.choose(items) if self.spec else ([[] for _ in items], [-1] * len(items))
-        k_next = self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running)) if self.spec else 0
+        decided = None  # the speculation policy's choice for this step, once made
+        if self.async_scheduling and self.runner.graphs is not None \
+                and (self._inflight is not None or self.can_overlap()):
+            launched = None
+            if self.spec is not None:  # a drafting engine overlaps its plain stretches (the budget's plain arm)
+                decided = self.decide(items)
+            if decided is None or (not any(decided[0]) and not decided[2]):
+                launched = self.runner.launch(items)
+            if launched is not None:
+                for it in items:
+                    it.seq.num_cached_tokens += it.num_tokens
+                    it.seq.num_inflight += 1
+                previous, self._inflight = self._inflight, (items, launched)
+                return self.finish_inflight(previous) if previous is not None else []
+        outputs = []
+        if self._inflight is not None:  # this step cannot be launched ahead: read the one in flight first
+            outputs = self.finish_inflight()
+            live = [i for i, it in enumerate(items) if not it.seq.is_finished]
+            if not live:
+                return outputs
+            if decided is not None and len(live) < len(items):
+                decided = ([decided[0][i] for i in live], [decided[1][i] for i in live], decided[2])
+            items = [items[i] for i in live]
+        return outputs + self.run_step(items, decided)
+
+    def decide(self, items: list[ScheduledSeq]) -> tuple[list[list[int]], list[int], int]:
+        """The speculation policy's choice for a step: (drafts each item verifies, their q rows, k to propose)."""
+        if self.spec is None:
+            return [[] for _ in items], [-1] * len(items), 0
+        drafts, rows = self.spec.choose(items)
+        return drafts, rows, self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running))
+
+    def can_overlap(self) -> bool:
+        """Whether the next step may be launched before the one in flight is read: nothing waits, every running
+        request decodes plainly (its pending token is the one in flight or known, it holds no drafts to verify)
+        and may take a token after the one in flight (the step in flight finishes none of them by length or
+        context)."""
+        if self.scheduler.waiting:
+            return False
+        limit = self.max_model_len
+        for seq in self.scheduler.running:
+            p, num_out = seq.params, len(seq.output_ids) + seq.num_inflight
+            if seq.spec.draft_ids or seq.grammar is not None or p.logprobs is not None \
+                    or p.prompt_logprobs is not None or len(seq.prompt_ids) + num_out - seq.num_cached_tokens != 1 \
+                    or num_out >= p.max_tokens or len(seq.prompt_ids) + num_out >= limit:
+                return False
+        return True
+
+    def finish_inflight(self, inflight: tuple[list[ScheduledSeq], InFlightStep] | None = None
+                        ) -> list[RequestOutput]:
+        """Read a launched step (default: the one in flight), commit it and emit its outputs. Rows of requests
+        that finished meanwhile (the step before finished them, or they were aborted) are dropped."""
+        if inflight is None:
+            inflight, self._inflight = self._inflight, None
+        items, launched = inflight
+        result = launched.result()
+        for it in items:
+            it.seq.num_inflight -= 1
+        live = [i for i, it in enumerate(items) if not it.seq.is_finished]
+        if len(live) < len(items):
+            result = StepResult({j: result.rows[i] for j, i in enumerate(live) if i in result.rows}, False, {},
+                                result.prompt_logprobs)
+            items = [items[i] for i in live]
+        produced = self.commit(items, [[] for _ in items], result, 0, advanced=True)
+        if self.spec is not None:  # (read one step late: the budget files it with the step launched since)
+            self.spec.note_tokens(sum(map(len, produced.values())))
+        self.stats.num_finished += len(self.scheduler.release_after_step())
+        return self.emit(items, produced)
+
+    def run_step(self, items: list[ScheduledSeq], decided: tuple[list[list[int]], list[int], int] | None = None
+                 ) -> list[RequestOutput]:
+        """One step in turn: choose drafts (unless `decided`), execute, commit, free, emit."""
+        drafts, rows, k_next = decided if decided is not None else self.decide(items)
         masks = self.grammar_masks(items, drafts, rows)
         result = self.runner.execute(items, drafts, rows, k_next, masks)
         produced = self.commit(items, drafts, result, k_next)
@@ -287,11 +377,12 @@ class LLMEngine:
 
         return redraw
 
-    def commit(self, items: list[ScheduledSeq], drafts: list[list[int]], result: StepResult, k_next: int
-               ) -> dict[Sequence, list[int]]:
+    def commit(self, items: list[ScheduledSeq], drafts: list[list[int]], result: StepResult, k_next: int,
+               advanced: bool = False) -> dict[Sequence, list[int]]:
         """Sequences advance by their chunk and accepted drafts (the caches need nothing: rows past a sequence's
         length are never read), produced tokens are appended with the stop checks, and drafts for the next step
-        are kept. -> {seq: tokens appended}.
+        are kept. -> {seq: tokens appended}. `advanced`: the sequences already advanced by their chunks when
+        the step was launched (async scheduling).
 
         Most rows take the lean path (`append_tokens`: no grammar to advance): their stop point is found once per
         row, not token by token; the step's counters are summed once. Text is extended here only where it is
@@ -305,9 +396,11 @@ class LLMEngine:
         now = time.perf_counter()  # the step's first-token time, for every request it gives a first token
         for i, it in enumerate(items):
             seq = it.seq
-            if seq.output_ids and seq.num_cached_tokens + it.num_tokens == seq.num_tokens:  # it.samples
+            before = seq.num_cached_tokens - (it.num_tokens if advanced else 0)
+            if seq.output_ids and before + it.num_tokens == seq.num_tokens:  # it.samples
                 num_decode_rows += 1
-            seq.num_cached_tokens += it.num_tokens
+            if not advanced:
+                seq.num_cached_tokens += it.num_tokens
             if prompt_lps and i in prompt_lps:
                 seq.prompt_logprobs += prompt_lps[i]
             row = rows.get(i)

@@ -48,6 +48,7 @@ class DistributedLLMEngine(LLMEngine):
     def __init__(self, *args, pg: ParallelGroup, **kwargs):
         super().__init__(*args, **kwargs)
         self.pg = pg
+        self.async_scheduling = False  # every rank must step in turn, on the same committed state
         self._messages: list[tuple] = []
         self._lock = threading.Lock()  # one broadcast at a time: the step's or the heartbeat's
         self._last_send = time.monotonic()
@@ -130,6 +131,7 @@ def set_step_clock(engine: LLMEngine, now: float) -> None:
 
 def worker_loop(engine: LLMEngine, pg: ParallelGroup) -> None:
     """Ranks 1..: replay rank 0's requests and take the same steps until it stops."""
+    engine.async_scheduling = False  # in turn, as rank 0 steps
     sync_budget(engine, pg)
     while True:
         box = [None]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sparkspec.engine.config import DEFAULT_SAMPLING_SCHEME
@@ -25,7 +26,7 @@ from sparkspec.engine.cuda_graphs import GraphKey
 from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
-from sparkspec.engine.step_io import Download
+from sparkspec.engine.step_io import Download, PendingFetch
 from sparkspec.engine.step_plan import PREFILL_LENS, StepPlanner
 from sparkspec.engine.step_result import StepResult, read_step
 from sparkspec.models.cache import KVCache, cache_dtype
@@ -55,6 +56,19 @@ class DecodeOutput:
     sampling: SamplingTensors | None = None  # (eager steps only)
 
 
+@dataclass
+class InFlightStep:
+    """A launched step whose copy back has not been read (`ModelRunner.launch`)."""
+
+    plan: PackedStep
+    pending: PendingFetch
+    q_store: torch.Tensor | None
+
+    def result(self) -> StepResult:
+        """Waits for the step's copy back -> what `execute` returns for it."""
+        return read_step(self.plan, self.pending.wait(), self.q_store)
+
+
 MODE_FLAGS = {"greedy": (True, False, False), "sample": (False, False, False), "filter": (False, True, True)}
 
 
@@ -82,6 +96,7 @@ class ModelRunner:
         # step's sampling requests); one buffer that every step reads then rewrites, so graphs address it
         self.q_store: torch.Tensor | None = None
         self.graphs = None  # GraphRunner: decode / verify steps as CUDA graphs (see `cuda_graphs.py`)
+        self.last_tokens: torch.Tensor | None = None  # [slots] the token each slot's last `launch` sampled
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, num_spec_tokens: int, eager: bool = False,
                    max_num_batched_tokens: int = 0) -> None:
@@ -248,9 +263,47 @@ class ModelRunner:
             down.add("sampled", *gather_logprobs(lp, res.tokens[lp_t].flatten(), p.num_top))
         return read_step(p, self.fetch(down, res, len(p.sampling)), self.q_store)
 
+    @torch.inference_mode()
+    def launch(self, items: list[ScheduledSeq]) -> InFlightStep | None:
+        """A plain decode step (no drafts), launched and not waited for (async scheduling): its graph replays,
+        its copy back is started, and the tokens it samples are left on the device for the step after it, which
+        may be launched before this one's result is read. None where the step is not a persistent-batch graph
+        step (the engine then runs it by `execute`, after reading the step in flight).
+
+        Rows whose pending token is still in flight (`Sequence.num_inflight`: sampled by the step launched
+        before) get it on the device: each graph decode step writes its sampled token into `last_tokens` at its
+        requests' slots, and this step's upload carries, behind the graph's own parts, its slots and the rows to
+        fill from them (one copy up, two small kernels; the graph reads its ids from the filled upload)."""
+        n, batch = len(items), self.planner.batch
+        p = None if batch is None else batch.pack_decode(items, [[] for _ in items], [-1] * n, 0,
+                                                          self.graphs.key_for)
+        if p is None or p.key.q != 1:
+            return None
+        if self.last_tokens is None or self.last_tokens.numel() < batch.num_slots:
+            grown = torch.zeros(batch.num_slots, dtype=torch.long, device=self.device)
+            if self.last_tokens is not None:
+                grown[: self.last_tokens.numel()] = self.last_tokens
+            self.last_tokens = grown
+        fill = np.flatnonzero(np.fromiter((it.seq.num_inflight for it in items), np.int64, n))  # item = id row
+        L = len(p.flat)
+        dev = to_device(np.concatenate([p.flat, p.slots, fill, p.slots[fill]]), self.device)
+        slots, rows, src = dev[L : L + n], dev[L + n : L + n + len(fill)], dev[L + n + len(fill) :]
+        if len(fill):
+            dev[:L].index_copy_(0, rows, self.last_tokens.index_select(0, src))  # ids are the upload's first part
+        _, res = self.graphs.run(p.key, dev)
+        self.last_tokens.index_copy_(0, slots, res.tokens[:n, 0])  # q = 1: the token sampled is the pending one
+        down = Download()
+        self.add_fetch(down, res, n)
+        return InFlightStep(p, down.start(), self.q_store)
+
     @staticmethod
     def fetch(down: Download, res: DecodeOutput, S: int) -> dict:
         """The one copy back of a sampling step (rows past S are a graph's dummy requests)."""
+        ModelRunner.add_fetch(down, res, S)
+        return down.fetch()
+
+    @staticmethod
+    def add_fetch(down: Download, res: DecodeOutput, S: int) -> None:
         down.add("accepted", res.num_accepted[:S])
         down.add("tokens", res.tokens[:S])
         down.add("finite", res.is_finite[:S])
@@ -258,7 +311,6 @@ class ModelRunner:
             down.add("drafts", res.drafts[:S])
             if res.confidences is not None:
                 down.add("confidences", res.confidences[:S])
-        return down.fetch()
 
     @staticmethod
     def bitmask_rows(p: PackedStep, token_masks: Mapping[int, torch.Tensor]) -> torch.Tensor:

@@ -34,6 +34,7 @@ class PackedStep:
     num_prompt_top: int = 0
     upload: Upload = field(default_factory=Upload)  # eager steps: the parts after the batch (named)
     flat: np.ndarray | list[int] | None = None  # graph steps: the whole upload, batch head then the parts
+    slots: np.ndarray | None = None  # persistent-batch steps: each item's slot (`InputBatch.slots_for`)
 
     @property
     def params(self) -> list:

@@ -68,8 +68,9 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Does this chunk reach the end of all_ids (so its last row yields a new token)?"""
-        return self.seq.num_cached_tokens + self.num_tokens == self.seq.num_tokens
+        """Does this chunk reach the end of all_ids (so its last row yields a new token)? A token in flight
+        (async scheduling) counts: it is the pending one."""
+        return self.seq.num_cached_tokens + self.num_tokens == self.seq.num_tokens + self.seq.num_inflight
 
 
 @dataclass
@@ -152,9 +153,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             nc = seq.num_cached_tokens
-            left = len(seq.prompt_ids) + len(seq.output_ids) - nc  # uncomputed tokens
+            left = len(seq.prompt_ids) + len(seq.output_ids) + seq.num_inflight - nc  # uncomputed tokens
             n = min(left, budget)
-            is_decode = n == left == 1 and seq.output_ids  # pending token = last output
+            is_decode = n == left == 1 and (seq.output_ids or seq.num_inflight)  # pending token = last output
             lookahead = self.lookahead_for(seq, budget - n) if is_decode and c.num_lookahead_tokens else 0
             if lookahead:
                 self._reserved.append(seq)

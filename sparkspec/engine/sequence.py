@@ -58,6 +58,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached_tokens: int = 0  # positions of all_ids held by the model cache
+    # tokens sampled by a launched step whose result the engine has not read yet (async scheduling: the step
+    # after it is scheduled and launched first, its rows read those tokens on the device; LLMEngine.step)
+    num_inflight: int = 0
     block_ids: list[int] = field(default_factory=list)  # blocks charged to this sequence (see block_manager)
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # why it failed (finish_reason 'error')

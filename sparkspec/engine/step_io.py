@@ -50,7 +50,26 @@ class Download:
     def fetch(self) -> dict[str, list[list[float]]]:
         """The one copy (it waits for the device) -> name -> one host list per tensor added."""
         flat = [t.double().flatten() for ts in self.pieces.values() for t in ts]
-        host = torch.cat(flat).cpu().tolist() if flat else []
+        return self.unpack(torch.cat(flat).cpu().tolist() if flat else [])
+
+    def start(self) -> PendingFetch:
+        """The same copy, started and not waited for: into a pinned host buffer on the device's stream (the
+        device runs on; a later step may be launched first). `PendingFetch.wait` -> what `fetch` returns."""
+        flat = torch.cat([t.double().flatten() for ts in self.pieces.values() for t in ts])
+        if flat.device.type == "cpu":
+            return PendingFetch(self, flat, None)
+        ring = _PINNED.setdefault(flat.device, [])  # two buffers in turn: at most two steps are in flight
+        if len(ring) < 2 or ring[0].numel() < flat.numel():
+            size = max(flat.numel(), 2 * (ring[0].numel() if ring else 1 << 12))
+            ring[:] = [torch.empty(size, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+        ring.reverse()
+        host = ring[0][: flat.numel()]
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingFetch(self, host, done)
+
+    def unpack(self, host: list[float]) -> dict[str, list[list[float]]]:
         out, off = {}, 0
         for name, ts in self.pieces.items():
             out[name] = []
@@ -58,3 +77,18 @@ class Download:
                 out[name].append(host[off : off + t.numel()])
                 off += t.numel()
         return out
+
+
+_PINNED: dict[torch.device, list[torch.Tensor]] = {}  # per device: two pinned buffers for `Download.start`
+
+
+class PendingFetch:
+    """A started `Download` copy: `wait` blocks until the device has written it, then reads it."""
+
+    def __init__(self, down: Download, host: torch.Tensor, done) -> None:
+        self.down, self.host, self.done = down, host, done
+
+    def wait(self) -> dict[str, list[list[float]]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.down.unpack(self.host.tolist())

@@ -17,6 +17,7 @@ from pathlib import Path
 from sparkspec.engine.config import (
     BATCH_INVARIANT_HELP,
     DEFAULT_SAMPLING_SCHEME,
+    NO_ASYNC_SCHEDULING_HELP,
     SAMPLING_SCHEME_HELP,
     SAMPLING_SCHEMES,
 )
@@ -49,6 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling-scheme", choices=SAMPLING_SCHEMES, default=DEFAULT_SAMPLING_SCHEME,
                    help=SAMPLING_SCHEME_HELP)
     p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
+                   help=NO_ASYNC_SCHEDULING_HELP)
 
 
 def engine_kwargs(args) -> dict:
@@ -64,6 +67,7 @@ def engine_kwargs(args) -> dict:
         dtype=args.dtype, quantization=getattr(args, "quantization", "auto"),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         sampling_scheme=getattr(args, "sampling_scheme", DEFAULT_SAMPLING_SCHEME),
+        async_scheduling=getattr(args, "async_scheduling", None),
         batch_invariant=getattr(args, "batch_invariant", False))
 
 

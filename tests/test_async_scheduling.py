@@ -1,0 +1,160 @@
+"""Async scheduling (`LLMEngine.step`): the next decode step is launched before the one on the device is read.
+The tokens must be those of the engine that steps in turn, whatever finishes a request meanwhile (EOS, length,
+an abort), however requests join, and with preemption. On CPU the graph steps run eagerly (`eager=True`), with
+the same packing, device-side token hand-over and deferred read as on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+from spec_helpers import mixed_prompts, one_thread, tiny_setup  # noqa: F401
+
+from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LENGTHS = [3, 9, 17, 30, 5, 12]
+
+
+def engine(model, overlap: bool, **kw) -> LLMEngine:
+    cfg = EngineConfig(max_num_seqs=8, enforce_eager=True, async_scheduling=overlap, **kw)
+    eng = LLMEngine(model, None, cfg)
+    eng.runner.use_graphs(cfg.max_num_seqs, eng.max_model_len, 0, eager=True,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens)
+    return eng
+
+
+def count_launches(eng: LLMEngine) -> list[int]:
+    """Appends 1 for every step launched ahead (a `launch` that took the step)."""
+    seen, launch = [], eng.runner.launch
+
+    def counted(items):
+        out = launch(items)
+        if out is not None:
+            seen.append(1)
+        return out
+
+    eng.runner.launch = counted
+    return seen
+
+
+def params_for(temperature: float) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=temperature, top_k=0 if i % 2 else 20, seed=40 + i,
+                           ignore_eos=True)
+            for i, n in enumerate((14, 9, 21, 3, 17, 1))]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tokens_equal_the_engine_that_steps_in_turn(temperature):
+    cfg, model, _ = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, LENGTHS, seed=3)
+    params = params_for(temperature)
+    want = [o.token_ids for o in engine(model, False).generate(prompts, params)]
+    eng = engine(model, True)
+    launched = count_launches(eng)
+    got = eng.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert [o.finish_reason for o in got] == ["length"] * len(prompts)
+    assert len(launched) >= 10, "the decode steps ran ahead"
+    assert eng.scheduler.block_manager.usage == 0 and not eng.has_unfinished()
+    assert all(s.num_inflight == 0 for s in eng.requests.values())
+
+
+def test_eos_found_while_the_next_step_runs():
+    """EOS ends a request in the step the engine reads while the next one (which holds its row) is on the
+    device: that row is computed and dropped; the output stops at EOS as in turn."""
+    cfg, model, _ = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, LENGTHS, seed=5)
+    free = [SamplingParams(max_tokens=24, ignore_eos=True) for _ in prompts]
+    ref = [o.token_ids for o in engine(model, False).generate(prompts, free)]
+    eos = ref[2][9]  # a token that request 2 produces mid-way (others may too)
+    outs = {}
+    for overlap in (False, True):
+        eng = engine(model, overlap)
+        eng.eos_ids = {eos}
+        launched = count_launches(eng)
+        got = eng.generate(prompts, [SamplingParams(max_tokens=24) for _ in prompts])
+        outs[overlap] = [(o.token_ids, o.finish_reason) for o in got]
+        assert eng.scheduler.block_manager.usage == 0
+    assert outs[True] == outs[False]
+    assert outs[True][2][1] == "stop" and outs[True][2][0][-1] == eos and len(outs[True][2][0]) <= 10
+    assert launched
+
+
+def test_requests_joining_and_an_abort():
+    """Requests that join while others decode end the overlap (their prompts run in turn) and it resumes; an
+    aborted request's row in flight is dropped and nothing leaks. The other requests' tokens are unchanged."""
+    cfg, model, _ = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, LENGTHS, seed=6)
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    want = [o.token_ids for o in engine(model, False).generate(prompts, [params] * len(prompts))]
+    eng = engine(model, True)
+    launched = count_launches(eng)
+    ids = [eng.add_request(p, params).request_id for p in prompts[:3]]
+    done, step = {}, 0
+    while eng.has_unfinished() or len(ids) < len(prompts):
+        step += 1
+        if step in (4, 7, 9) and len(ids) < len(prompts):
+            ids.append(eng.add_request(prompts[len(ids)], params).request_id)
+        if step == 6:
+            assert eng.abort_request(ids[1])
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    for i, rid in enumerate(ids):
+        if i == 1:  # aborted: gone without a final output, or with finish_reason "abort"
+            assert rid not in done or done[rid].finish_reason == "abort"
+            continue
+        assert done[rid].token_ids == want[i], i
+    assert len(launched) >= 10
+    assert eng.scheduler.block_manager.usage == 0 and not eng.has_unfinished()
+
+
+def test_preemption_while_a_step_is_in_flight():
+    """A KV pool too small for every request: the scheduler preempts while a step is in flight; the victim's
+    token in flight is still committed and its recompute continues from it. Tokens equal the engine in turn."""
+    cfg, model, _ = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, [20, 22, 18, 25], seed=7)
+    params = [SamplingParams(max_tokens=40, temperature=0.7, seed=9 + i, ignore_eos=True) for i in range(4)]
+    per_block = engine(model, False, max_model_len=96).kv_plan.bytes_per_block
+    kw = dict(max_model_len=96, kv_cache_memory=per_block * 12)
+    ref_eng = engine(model, False, **kw)
+    want = [o.token_ids for o in ref_eng.generate(prompts, params)]
+    eng = engine(model, True, **kw)
+    launched = count_launches(eng)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert ref_eng.scheduler.num_preemptions and eng.scheduler.num_preemptions, "the pool forced preemptions"
+    assert launched
+    assert eng.scheduler.block_manager.usage == 0
+
+
+def test_off_switch_and_speculation():
+    cfg, model, _ = tiny_setup()
+    eng = engine(model, False)
+    launched = count_launches(eng)
+    eng.generate(mixed_prompts(cfg.vocab_size, [5, 7], seed=1), SamplingParams(max_tokens=8, ignore_eos=True))
+    assert not launched
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_drafting_engine_overlaps_its_plain_stretches(method):
+    """A drafting engine's steps that verify and propose nothing (the adaptive budget's plain arm) are launched
+    ahead too; the drafter's context is still written on them (inside the step), so the drafts after a plain
+    stretch are as good as in turn. Greedy and seeded (Gumbel-max) tokens equal plain decoding whatever the
+    budget decides; here a scripted budget switches between stretches of both arms."""
+    cfg, model, tensors = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, LENGTHS, seed=11)
+    params = [SamplingParams(max_tokens=18, temperature=t, seed=60 + i, ignore_eos=True)
+              for i, t in enumerate((0.0, 1.0, 0.0, 0.7, 1.0, 0.0))]
+    want = [o.token_ids for o in engine(model, False).generate(prompts, params)]
+    ecfg = EngineConfig(max_num_seqs=8, enforce_eager=True, speculative=method, num_spec_tokens=3,
+                        spec_budget="fixed")
+    eng = LLMEngine(model, None, ecfg, tensors)
+    eng.runner.use_graphs(ecfg.max_num_seqs, eng.max_model_len, 3, eager=True,
+                          max_num_batched_tokens=ecfg.max_num_batched_tokens)
+    decisions = iter([0] * 6 + [3] * 3 + [0] * 5 + [3] * 2 + [0] * 100)
+    eng.spec.budget.next_num_drafts = lambda *a, **kw: next(decisions, 0)
+    launched = count_launches(eng)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert len(launched) >= 6 and eng.stats.num_drafted > 0
+    assert eng.scheduler.block_manager.usage == 0
