@@ -10,7 +10,9 @@ time of the generation loop (prefill included, engine start-up excluded), and th
 (`EngineConfig.sampling_scheme`; the prompts carry seeds, so "auto" is the Gumbel-max scheme); a comma list
 measures each, one engine per (method, scheme), on the same prompts and seeds. `--gumbel-draft-temperature`
 measures the Gumbel rows' proposal rule (`sampling.sample_draft`): the output is the same for every value (the
-scheme is drafter-invariant), only τ moves.
+scheme is drafter-invariant), only τ moves. `--paired` (DSpark) replaces the speculative runs by one plain decoding
+per prompt and replays both schemes on its sequences (`spec_decode/replay.py`): Gumbel τ exactly, rejection τ paired
+with it, so their ratio is not lost in the sequences' sampling noise.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-spec-tokens", type=int, default=None, help="k (default: block size / 1 / 4)")
     p.add_argument("--baseline", action="store_true", help="also time plain decoding (tokens/s ratio)")
+    p.add_argument("--paired", action="store_true",
+                   help="DSpark: replay rejection and Gumbel (each --gumbel-draft-temperature) on plain decoding's "
+                        "seeded sequences instead of running them (paired tau, no timing)")
+    p.add_argument("--paired-reps", type=int, default=200, help="rejection replays per sequence with --paired")
     p.add_argument("--seed", type=int, default=980406)
     p.add_argument("--device", default=None)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -94,6 +100,41 @@ def run_method(llm, prompts: list[list[int]], temperature: float, max_tokens: in
                    accept_rate=[round(x, 4) for x in m.accept_rate_per_position],
                    cond_accept=[round(x, 4) for x in m.conditional_accept_rate])
     return row
+
+
+def run_paired(llm, drafter, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int,
+               draft_temps: list[float], reps: int) -> list[dict]:
+    """Plain decoding of every prompt (Gumbel-max, seed = `seed` + index), then each scheme replayed on its sequences
+    (`spec_decode.replay`) -> a row for rejection and one per Gumbel draft temperature."""
+    import torch
+
+    from sparkspec.ops.sampling import SamplingTensors
+    from sparkspec.sampling_params import SamplingParams
+    from sparkspec.spec_decode import replay
+
+    counts = {s: [0, 0] for s in ["rejection", *draft_temps]}  # accepted drafts, verify steps
+    gen, t0, k = torch.Generator().manual_seed(seed), time.perf_counter(), drafter.block_size
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
+        (out,) = llm.generate([ids], params)
+        b = replay.dspark_blocks(llm.checkpoint.model, drafter, list(ids) + list(out.token_ids), len(ids))
+        room = replay.engine_room(b, k, out.finish_reason == "length")
+        st = SamplingTensors(torch.tensor([params.device_temperature]), torch.zeros(1, dtype=torch.int64),
+                             torch.ones(1), torch.tensor([seed + i]), params.greedy, False, False, True)
+        for s in draft_temps:
+            accepted, steps = replay.chain(replay.gumbel_lengths(b, st, s), room)
+            counts[s][0] += accepted
+            counts[s][1] += steps
+        for lengths in replay.rejection_lengths(b, st, reps, gen):
+            accepted, steps = replay.chain(lengths, room)
+            counts["rejection"][0] += accepted
+            counts["rejection"][1] += steps
+    wall = time.perf_counter() - t0
+    return [{"method": "dspark", "scheme": "rejection" if s == "rejection" else "gumbel",
+             "gumbel_draft_temperature": 1.0 if s == "rejection" else s, "temperature": temperature,
+             "prompts": len(prompts), "estimator": "paired", "time_s": round(wall, 2), "tok_s": 0.0, "k": k,
+             "tau": round((c[0] + c[1]) / max(c[1], 1), 4), "steps": c[1] // (reps if s == "rejection" else 1)}
+            for s, c in counts.items()]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -174,6 +215,8 @@ def cmd_eval(args) -> int:
     prompts = {ds: load_prompts(ds, args.data_dir, ck.tokenizer, args.num_prompts) for ds in datasets}
     longest = max((len(p) for ps in prompts.values() for p in ps), default=1)
     max_len = min(longest + args.max_tokens, ck.config.max_position_embeddings)
+    if args.paired:
+        return cmd_paired(args, ck, prompts, max_len, temps, draft_temps, model_dir)
     engines = {r: make_engine(ck, r[0], args.num_spec_tokens, max_len, r[1], r[2]) for r in runs}
     rows = []
     for ds in datasets:
@@ -198,4 +241,33 @@ def cmd_eval(args) -> int:
         write_json(args.json, model_dir, ck.model, args, rows)
     if args.plot:
         plot(rows, args.plot)
+    return 0
+
+
+def cmd_paired(args, ck, prompts: dict, max_len: int, temps: list[float], draft_temps: list[float], model_dir) -> int:
+    """`--paired`: one plain engine (Gumbel-max), DSpark replayed on its sequences."""
+    from sparkspec.spec_decode.build import build_proposer
+
+    if args.spec.strip() != "dspark" or args.num_spec_tokens not in (None, ck.config.dspark_block_size):
+        raise ValueError("--paired replays DSpark at its block size only (--spec dspark, no --num-spec-tokens)")
+    llm = make_engine(ck, "none", None, max_len, "gumbel")
+    drafter = build_proposer("dspark", ck.model, ck.drafter_tensors).drafter
+    rows = []
+    for ds, ps in prompts.items():
+        for t in temps:
+            for row in run_paired(llm, drafter, ps, t, args.max_tokens, args.seed, draft_temps, args.paired_reps):
+                rows.append({"dataset": ds, **row})
+                print(f"{ds} paired {row['scheme']} s={row['gumbel_draft_temperature']:g} T={t:g}: tau {row['tau']}",
+                      file=sys.stderr, flush=True)
+            if args.json:
+                write_json(args.json, model_dir, ck.model, args, rows)
+    print(format_table(rows))
+    for r in rows:
+        if r["scheme"] == "gumbel":
+            base = next(b for b in rows if b["scheme"] == "rejection" and b["dataset"] == r["dataset"]
+                        and b["temperature"] == r["temperature"])
+            print(f"{r['dataset']} T={r['temperature']:g} s={r['gumbel_draft_temperature']:g}: tau(gumbel) / "
+                  f"tau(rejection) = {r['tau'] / base['tau']:.3f}")
+    if args.json:
+        write_json(args.json, model_dir, ck.model, args, rows)
     return 0
