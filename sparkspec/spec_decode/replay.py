@@ -80,18 +80,13 @@ def chain(lengths: torch.Tensor, room: torch.Tensor) -> tuple[int, int]:
     return accepted, steps
 
 
-def row_sampling(st: SamplingTensors, n: int) -> SamplingTensors:
-    """One request's sampling tensors ([1] rows) for n rows."""
-    return st.repeat_interleave(n)
-
-
 def gumbel_lengths(b: ReplayBlocks, st: SamplingTensors,
                    draft_temperature: float = DEFAULT_GUMBEL_DRAFT_TEMPERATURE) -> torch.Tensor:
     """L [A] under the Gumbel-max scheme: the drafts `sample_draft` gives Gumbel rows (the engine's own code, with
     the noise of each draft's position), accepted while equal to x. `st`: the request's one row, gumbel True."""
     A, k, V = b.draft_logits.shape
     offsets = (b.anchors.unsqueeze(1) + 1 + torch.arange(k)).reshape(-1)  # [A·k] each draft's position
-    d, _ = sample_draft(b.draft_logits.reshape(-1, V), row_sampling(st, A * k), offsets, STREAM_DRAFT,
+    d, _ = sample_draft(b.draft_logits.reshape(-1, V), st.repeat_interleave(A * k), offsets, STREAM_DRAFT,
                         draft_temperature)
     return ((d.view(A, k) == b.labels) & b.mask).long().cumprod(1).sum(1)
 
@@ -100,7 +95,7 @@ def rejection_lengths(b: ReplayBlocks, st: SamplingTensors, reps: int, gen: torc
     """L [reps, A] under rejection sampling, simulated given the sequence (see the module docstring)."""
     A, k, V = b.draft_logits.shape
     x = b.labels.clamp(min=0).reshape(-1, 1)
-    rows = row_sampling(st, A * k)
+    rows = st.repeat_interleave(A * k)
     p = probs_for(b.target_logits.reshape(-1, V), rows).gather(1, x)  # [A·k, 1]
     q = probs_for(b.draft_logits.reshape(-1, V), rows).gather(1, x)
     r = torch.where(p > 0, torch.minimum(q / p.clamp(min=1e-30), torch.ones_like(p)), 0.0).view(A, k) * b.mask
