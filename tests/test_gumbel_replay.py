@@ -82,3 +82,20 @@ def test_gumbel_replay_is_the_engine(demo, s):
         reasons.add(out.finish_reason)
         total += got[0]
     assert total > 0 and reasons == {"length", "stop"}  # both ends of a sequence were replayed
+
+
+def test_eval_paired_reports_both_schemes(tmp_path, capsys):
+    """`sparkspec eval --paired`: a rejection row and one Gumbel row per draft temperature, per dataset and T."""
+    import json
+
+    from sparkspec.cli import main
+
+    out = tmp_path / "paired.json"
+    assert main(["eval", "--paired", "--datasets", "gsm8k", "--num-prompts", "2", "--max-tokens", "16",
+                 "--temperature", "1", "--gumbel-draft-temperature", "1,0.5", "--paired-reps", "20",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["scheme"], r["gumbel_draft_temperature"]) for r in rows] == [("rejection", 1.0), ("gumbel", 1.0),
+                                                                            ("gumbel", 0.5)]
+    assert all(r["estimator"] == "paired" and r["steps"] > 0 and 1 <= r["tau"] <= 8 for r in rows)
+    assert "tau(gumbel) / tau(rejection)" in capsys.readouterr().out
