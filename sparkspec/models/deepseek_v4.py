@@ -20,6 +20,7 @@ from sparkspec.config import CSA, ModelConfig, yarn_inv_freq
 from sparkspec.distributed import ParallelGroup, all_gather_last, all_reduce
 from sparkspec.models.cache import compressor_width, entries_per_block
 from sparkspec.models.forward_batch import Emission, ForwardBatch
+from sparkspec.models.fused_linear import fused_linear, stacked_linear
 from sparkspec.ops import ops
 from sparkspec.ops.indices import chosen_rows
 from sparkspec.ops.moe import expert_weights, swiglu
@@ -180,6 +181,22 @@ class Attention(nn.Module):
         """-> kv [T, D]: the shared K = V latent, normalised, RoPE at `positions`."""
         return self.rotary.apply(self.wkv(x), positions, rot=rot, norm=self.kv_norm)
 
+    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`project_q` and `project_kv` with the indexer's projections of the same inputs (CSA layers), each input's
+        linears as one GEMM of their stacked weights (`fused_linear`: wq_a / wkv / weights_proj on x, wq_b / the
+        indexer's wq_b on q_lora) -> (q [T, h, D], kv [T, D], indexer q [T, ih, id] with RoPE, indexer head
+        weights [T, ih] fp32, scaled by ih^-1/2), the indexer's None without one."""
+        ix, T = self.indexer, x.shape[0]
+        qa, kv, *iw = fused_linear(x, self.wq_a, self.wkv, *([ix.weights_proj] if ix is not None else []))
+        qb, *iq = fused_linear(self.q_norm(qa), self.wq_b, *([ix.wq_b] if ix is not None else []))
+        q = self.rotary.apply(qb.view(T, self.n_heads, self.head_dim), positions, rot=rot, norm=self.cfg.rms_norm_eps)
+        kv = self.rotary.apply(kv, positions, rot=rot, norm=self.kv_norm)
+        if ix is None:
+            return q, kv, None, None
+        iq = self.rotary.apply(iq[0].view(T, ix.n_heads, ix.head_dim), positions, rot=rot)
+        return q, kv, iq, iw[0].float() * ix.n_heads ** -0.5
+
     def project_out(self, o: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None
                     ) -> torch.Tensor:
         """o [T, h, D] -> inverse RoPE (`rot`: the rotation at `positions`) -> grouped wo_a -> wo_b -> [T, H]."""
@@ -197,8 +214,8 @@ class Attention(nn.Module):
         pos, req, r = batch.positions, batch.req_idx, self.ratio
         pools = batch.cache.layers[self.layer_id]
         rot = self.rotary.rotations(batch, "tokens", lambda: pos)
-        q, qr = self.project_q(x, pos, rot)
-        store(pools["attn"], batch.token_rows(r), self.project_kv(x, pos, rot))
+        q, kv, iq, iw = self.project_qkv(x, pos, rot)
+        store(pools["attn"], batch.token_rows(r), kv)
         topk, num_compressed = None, 0
         if self.compressor is not None:
             plan = batch.emission(r, 2 * r if self.compressor.overlap else r)
@@ -207,12 +224,9 @@ class Attention(nn.Module):
             entry_rot = self.rotary.rotations(batch, ("entries", r), lambda: plan.last + 1 - r)
             self.compressor.emit(pools["comp_kv"], pools["comp_score"], plan, entry_rot, pools["attn"], plan.attn_rows)
             num_compressed = batch.max_seq_len // r
-        if self.indexer is not None:
-            ix = self.indexer
+        if (ix := self.indexer) is not None:
             ix.compressor.store_states(pools["idx_kv"], pools["idx_score"], index_states, batch)
             ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan, entry_rot, pools["idx_keys"], plan.key_rows)
-            iq = self.rotary.apply(ix.wq_b(qr).view(x.shape[0], ix.n_heads, ix.head_dim), pos, rot=rot)
-            iw = ix.weights_proj(x).float() * ix.n_heads ** -0.5
             keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed)[req])]
             topk = ops.indexer_topk(iq, iw, keys, None, batch.memo(("visible", r), lambda: (pos + 1) // r), ix.topk,
                                     ix.head_dim ** -0.5)
@@ -301,7 +315,10 @@ class MoE(nn.Module):
         w13, w2 = expert_weights(self)  # stacked once (views share the parameters' storage)
         routed = ops.moe_experts(x, w13, w2, weights, ids, cfg.swiglu_limit)
         se = self.shared_experts
-        shared = se.w2(swiglu(se.w1(x), se.w3(x), cfg.swiglu_limit))
+        gate_up = stacked_linear(x, se.w1, se.w3)  # [T, 2I] one GEMM where w1 / w3 can share a stacked weight
+        act = (swiglu(se.w1(x), se.w3(x), cfg.swiglu_limit) if gate_up is None
+               else ops.swiglu_packed(gate_up, cfg.swiglu_limit))
+        shared = se.w2(act)
         return all_reduce(routed + shared, self.tp)  # tensor parallel: each rank holds a slice of every expert
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkspec.ops.formats import Quantized
-from sparkspec.ops.registry import accelerated, native
+from sparkspec.ops.registry import accelerated, native, ops
 
 Weights = torch.Tensor | Quantized  # a stack of expert weights: plain, or FP4 codes with their scales
 
@@ -54,6 +54,16 @@ def moe_route(
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """SwiGLU with the V4 clamp: gate clamped above at `limit`, up clamped to ±`limit`."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+@native("swiglu_packed")
+def swiglu_packed(
+    h: torch.Tensor,  # [T, 2I] gate (w1) columns then up (w3) columns: one GEMM's output
+    limit: float,
+) -> torch.Tensor:
+    """`swiglu` of the two halves of h -> [T, I] h.dtype (the shared expert after its fused w1 / w3 GEMM)."""
+    gate, up = h.chunk(2, dim=-1)
+    return swiglu(gate, up, limit)
 
 
 def _stack(experts: Sequence[torch.nn.Module], attr: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +139,14 @@ def sort_by_expert(
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (order [T*A] int64: flat (token, slot) pairs sorted by expert, stable;
-    ends [E] int32: end of each expert's run of rows in that order (cumulative counts)). No host sync."""
+    ends [E] int32: end of each expert's run of rows in that order (cumulative counts)). No host sync.
+    Integers, so every implementation gives the same (`triton_kernels.moe_route`: one launch at decode sizes)."""
+    return ops.sort_by_expert(ids, num_experts)
+
+
+@native("sort_by_expert")
+def sort_by_expert_native(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sort_by_expert` by a stable sort and a search of each expert's end."""
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
     ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype),
                               right=True, out_int32=True)

@@ -21,7 +21,7 @@ _MAX_TILE = 4096  # elements a program holds: BLOCK_R rows of BLOCK_F features
 
 @triton.jit
 def _norm_rope_kernel(
-    x_ptr,  # [N, F] rows contiguous, any float dtype
+    x_ptr,  # [T, N / T, F]: a token's rows contiguous, tokens stride_xt apart; any float dtype
     w_ptr,  # [F] norm weight (read only when HAS_WEIGHT)
     rot_ptr,  # [T, R/2, 2] fp32 (cos, sin) of each token's rotation (read only when ROPE)
     out_ptr,  # [N, F] the output dtype
@@ -30,6 +30,7 @@ def _norm_rope_kernel(
     rows_per_token,  # N / T
     rope_start,  # F - R
     eps,
+    stride_xt,
     BLOCK_R: tl.constexpr,
     BLOCK_F: tl.constexpr,
     NORM: tl.constexpr,
@@ -42,7 +43,9 @@ def _norm_rope_kernel(
     col_ok = cols < width
     mask = (rows < num_rows)[:, None] & col_ok[None, :]
     row_base = rows.to(tl.int64)[:, None] * width
-    x = tl.load(x_ptr + row_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_F]
+    x_tok = (rows // rows_per_token).to(tl.int64)
+    x_base = (x_tok * stride_xt + (rows - x_tok * rows_per_token) * width)[:, None]
+    x = tl.load(x_ptr + x_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_F]
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)  # [BLOCK_R]
         x = x * rstd[:, None]
@@ -52,7 +55,7 @@ def _norm_rope_kernel(
         in_rope = cols >= rope_start
         k = tl.where(in_rope, cols - rope_start, 0)  # [BLOCK_F] index within the rotary dims
         partner = tl.where(in_rope, cols + 1 - 2 * (k % 2), cols)  # the other half of the pair
-        xp = tl.load(x_ptr + row_base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(x_ptr + x_base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         if NORM:
             xp = xp * rstd[:, None]
             if HAS_WEIGHT:
@@ -72,12 +75,16 @@ def _norm_rope_kernel(
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, rot: torch.Tensor | None,
             inverse: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
     F = x.shape[-1]
-    x = x if x.is_contiguous() else x.contiguous()
+    # tokens need not be adjacent: a column slice of a wider matrix (one GEMM's output for several projections)
+    # is read in place
+    x = x if x.is_contiguous() or (x.dim() >= 2 and x[0].is_contiguous()) else x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     N = x.numel() // max(F, 1)
     if N == 0:
         return out
-    rows_per_token, rope_start, rot_real = 1, F, x  # rot_real: any pointer when there is no rotation
+    rows_per_token = N // x.shape[0] if x.dim() >= 2 else 1
+    stride_xt = x.stride(0) if x.dim() >= 2 else F
+    rope_start, rot_real = F, x  # rot_real: any pointer when there is no rotation
     if rot is not None:
         check(rot.is_complex() and rot.dim() == 2 and rot.shape[0] == x.shape[0],
               f"rope: rot must be complex [T={x.shape[0]}, R/2], got {rot.dtype} {tuple(rot.shape)}")
@@ -85,7 +92,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, rot
         check(same_device(x, rot), "rope: x and rot must share a device")
         rot_real = torch.view_as_real(rot.resolve_conj())
         rot_real = rot_real if rot_real.is_contiguous() else rot_real.contiguous()
-        rows_per_token, rope_start = N // x.shape[0], F - 2 * rot.shape[1]
+        rope_start = F - 2 * rot.shape[1]
     if weight is not None:
         check(weight.numel() == F, f"rms_norm: weight has {weight.numel()} entries, rows have {F}")
         check(same_device(x, weight), "rms_norm: x and weight must share a device")
@@ -96,7 +103,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, rot
     block_r = max(1, _MAX_TILE // block_f if pinned() else min(next_pow2(N), _MAX_TILE // block_f))
     _norm_rope_kernel[(triton.cdiv(N, block_r),)](
         x, weight if weight is not None else x, rot_real, out, N, F, rows_per_token, rope_start,
-        float(eps or 0.0), BLOCK_R=block_r, BLOCK_F=block_f, NORM=eps is not None, HAS_WEIGHT=weight is not None,
+        float(eps or 0.0), stride_xt, BLOCK_R=block_r, BLOCK_F=block_f, NORM=eps is not None,
+        HAS_WEIGHT=weight is not None,
         ROPE=rot is not None, INVERSE=bool(inverse), num_warps=4,
     )
     return out
