@@ -309,6 +309,36 @@ def _indexer_scores_kernel(
     tl.store(out_ptr + t * num_entries + cols, score, mask=cols < num_entries)
 
 
+@triton.jit
+def _topk_select_kernel(
+    scores_ptr,  # [T, C] fp32 (-inf: not visible)
+    out_ptr,  # [T, topk] int64 chosen entries, -1 padded
+    num_entries,  # C
+    k,  # min(topk, C)
+    topk,
+    BLOCK_C: tl.constexpr,  # >= C, a power of two
+):
+    """One row: the stable descending sort of `torch.sort` by one bitonic sort of int64 keys (the score's bits,
+    made monotone, above the reversed entry id: equal scores keep id order), -inf entries -> -1."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    s = tl.load(scores_ptr + t * num_entries + cols, mask=cols < num_entries, other=float("-inf"))
+    s = tl.where(s == 0.0, 0.0, s)  # -0 and +0 are one score to the sort (ties in id order)
+    bits = s.to(tl.int32, bitcast=True).to(tl.int64)
+    mono = tl.where(bits >= 0, bits, -(bits + 2147483648) - 1)  # order-preserving: the float order as integers
+    key = mono * 4294967296 + (4294967295 - cols.to(tl.int64))
+    key = tl.sort(key, descending=True)
+    ids = 4294967295 - (key & 4294967295)
+    ids = tl.where((key >> 32) <= -2139095041, -1, ids)  # -2139095041: -inf's monotone bits
+    tl.store(out_ptr + t * topk + cols, ids, mask=cols < k)
+    for j0 in range(0, topk, BLOCK_C):  # pads past k (when C < topk)
+        js = j0 + cols
+        tl.store(out_ptr + t * topk + js, tl.full([BLOCK_C], -1, tl.int64), mask=(js >= k) & (js < topk))
+
+
+TOPK_SELECT_MAX_ENTRIES = 4096  # C above: torch.sort (one program holds a row's keys in registers)
+
+
 @accelerated("indexer_topk", "cuda", "rocm", "xpu")
 def indexer_topk(
     q: torch.Tensor,  # [T, ih, id]
@@ -319,7 +349,9 @@ def indexer_topk(
     topk: int,
     scale: float,
 ) -> torch.Tensor:
-    """Triton twin of `ops.compressor.indexer_topk`: the scores in one launch, then the same stable sort.
+    """Triton twin of `ops.compressor.indexer_topk`: the scores in one launch, then the top-k by one more (a
+    per-row bitonic sort giving `torch.sort`'s stable order: the same ids; over TOPK_SELECT_MAX_ENTRIES entries the
+    native's sort).
 
     bf16 queries against fp32 keys (the model's case) run three bf16 tensor-core dots on the keys' exact bf16
     pieces: the products are exact, only the fp32 summation order differs from the native. Other dtypes take one
@@ -349,6 +381,11 @@ def indexer_topk(
         HAS_REQ=req_idx is not None, SPLIT=split, BF16_DOT=split and not on_interpreter(q),
         BLOCK_H=max(next_pow2(ih), 16), BLOCK_C=block_c, BLOCK_D=max(next_pow2(dim), 16), num_warps=4,
     )
-    values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    ids = torch.where(values[:, :k] > float("-inf"), order[:, :k], -1)
-    return ids if k == topk else torch.nn.functional.pad(ids, (0, topk - k), value=-1)
+    if C > TOPK_SELECT_MAX_ENTRIES:
+        values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+        ids = torch.where(values[:, :k] > float("-inf"), order[:, :k], -1)
+        return ids if k == topk else torch.nn.functional.pad(ids, (0, topk - k), value=-1)
+    ids = torch.empty(T, topk, dtype=torch.long, device=q.device)
+    block = max(next_pow2(C), 16)
+    _topk_select_kernel[(T,)](scores, ids, C, k, topk, BLOCK_C=block, num_warps=4 if block <= 1024 else 8)
+    return ids
