@@ -213,3 +213,22 @@ def test_prefill_burst_does_not_condemn_the_arm_first_probed_there(file_prompt_s
         assert drafting > 0.5  # the defect this guards against, reproduced
     else:
         assert drafting < 0.15, "plain decoding, only probes draft"
+
+
+def test_a_new_bucket_starts_where_the_one_below_ended():
+    """Plain decoding measured ahead at 16 requests: at 64 (not measured yet; the device-only table says draft)
+    the budget starts plain and probes drafting only every 4 x probe_every decisions. Where drafting won below,
+    the table decides as before."""
+    for plain_wins in (True, False):
+        clock = FakeClock()
+        budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+        accepting(budget, 2)
+        for _ in range(6):
+            for arm, seconds, tokens in (("plain", 0.002, 16), ("spec", 0.004, 48 if not plain_wins else 24)):
+                budget.step_times.observe(16, arm, seconds, tokens)
+        assert budget.measured(16) and not budget.measured(64)
+        ks = [budget.next_num_drafts(64, 64) for _ in range(40)]
+        if plain_wins:
+            assert budget.plain_won_below(64) and ks == [0] * 40
+        else:
+            assert not budget.plain_won_below(64) and ks[-10:] == [K] * 10  # the table's choice after the probes

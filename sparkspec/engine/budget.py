@@ -205,7 +205,7 @@ class StepTimes:
     pause (a recurring cost has more samples in the window than the one dropped). Steps that carry a prompt
     chunk are no longer filed at all (`VerificationBudget.note_step`): since the split they cost both arms alike."""
 
-    def __init__(self, window: int = 16, max_seconds: float = 10.0, min_trim: int = 4):
+    def __init__(self, window: int = 16, max_seconds: float = 10.0, min_trim: int = 3):
         self.window = window
         self.min_trim = min_trim
         self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
@@ -289,7 +289,9 @@ class VerificationBudget:
         self.clock = clock
         self.min_samples = min_samples  # per arm and bucket before the measured times replace the cost table
         self.probe_every = probe_every  # decisions between probes of the arm not chosen
-        self.probe_len = probe_len  # decisions a probe lasts (its first step is a transition, not a sample)
+        # decisions a probe lasts: its first step is a transition, not a sample (and under async scheduling the
+        # first step of a plain stretch is not one either: `skip_step`)
+        self.probe_len = probe_len
         self.max_first_probes = max_first_probes  # back-to-back probes of an arm that has no samples yet
         self._probes: dict[int, _Probe] = {}
         self._proposing = False  # the last `next_num_drafts` asked for drafts: padded steps verify them all
@@ -324,6 +326,13 @@ class VerificationBudget:
         for a drafting step of ~700 tokens, so plain decoding (256 tokens / 5.9 ms) measured at 10.7 k tok/s
         against drafting's 27 k and was never chosen again in the level."""
         self._last_step = (num_reqs, num_verified > 0, num_proposed > 0, has_prompt)
+
+    def skip_step(self) -> None:
+        """The step in progress is not filed. Async scheduling launches the first step of a plain stretch and
+        returns before reading anything, so the interval to the next step's start is the launch alone, and its
+        tokens are read (`note_tokens`) one step late: each later launched step is filed with the tokens of the
+        step before it, which a plain stretch makes nearly the same."""
+        self._last_step = None
 
     def note_tokens(self, num_tokens: int) -> None:
         """Tokens the step in progress produced (after its commit). With them the measured arms compare tokens
@@ -404,14 +413,23 @@ class VerificationBudget:
         key = num_reqs if num_running is None else num_running
         theta, k_spec = self._model(num_reqs, num_base_tokens, key)
         best: Arm = "spec" if theta["spec"] > theta["plain"] else "plain"
+        prior = best == "spec" and not self.measured(key) and self.plain_won_below(key)
+        if prior:
+            best = "plain"
         st = self._probes.setdefault(bucket_of(key), _Probe())
         st.num_decisions += 1
+        if prior and st.num_started == 0 and st.last_start < 0:
+            st.last_start = st.num_decisions  # the first probe of drafting waits its interval too
         if not st.left and not has_prompt:
             other: Arm = "plain" if best == "spec" else "spec"
             since = st.num_decisions - st.last_start
-            unseen = self.step_times.count(key, other) < self.min_samples
+            # until the arm has the samples that let its slowest one be dropped (the first after a switch of arm
+            # is often slow: on the H200 demo pair at c = 64, 4.1 ms against 2.0 for plain decoding's next two)
+            unseen = not prior and self.step_times.count(key, other) < max(self.min_samples,
+                                                                            self.step_times.min_trim)
             margin = theta[best] / max(theta[other], 1e-9)
-            every = self.probe_every * (2 if margin > 1.25 else 1)  # a clear loser is probed half as often
+            # a clear loser is probed half as often, one the smaller request counts already rejected a quarter
+            every = self.probe_every * (4 if prior else 2 if margin > 1.25 else 1)
             if since >= every or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
                 st.arm, st.left, st.last_start = other, self.probe_len, st.num_decisions
                 st.num_started += 1
@@ -422,6 +440,20 @@ class VerificationBudget:
         k = k_spec if arm == "spec" else 0
         self._proposing = k > 0
         return k
+
+    def plain_won_below(self, num_reqs: int) -> bool:
+        """At the largest smaller request-count bucket where both arms are measured, plain decoding produced more
+        tokens per second. Drafting pays less as the batch grows (the verify rows' share of a busier device
+        grows), so a bucket not measured yet starts where the one below ended, not at the cost table: that
+        table times the device alone and says "draft" at every request count on the H200 demo pair, where plain
+        decoding with async scheduling runs ~1.5-2x faster than drafting from c = 64 up, and a short level then
+        spent its first steps drafting and probing."""
+        for b in range(bucket_of(num_reqs) - 1, -1, -1):
+            r = 2**b
+            if self.measured(r):
+                plain, spec = self.step_times.throughput(r, "plain"), self.step_times.throughput(r, "spec")
+                return plain is not None and spec is not None and plain > spec
+        return False
 
     # ---- verification ----
     def survivals(self, confidences: Sequence[Sequence[float] | None], num_drafts: Sequence[int]) -> list[list[float]]:

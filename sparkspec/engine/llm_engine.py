@@ -270,7 +270,11 @@ class LLMEngine:
                     it.seq.num_cached_tokens += it.num_tokens
                     it.seq.num_inflight += 1
                 previous, self._inflight = self._inflight, (items, launched)
-                return self.finish_inflight(previous) if previous is not None else []
+                if previous is None:
+                    if self.spec is not None:
+                        self.spec.budget.skip_step()  # its interval is a launch, not a step
+                    return []
+                return self.finish_inflight(previous)
         outputs = []
         if self._inflight is not None:  # this step cannot be launched ahead: read the one in flight first
             outputs = self.finish_inflight()
