@@ -207,3 +207,20 @@ def test_stacked_weight_declines_what_it_cannot_stack():
         biased = nn.Linear(24, 4).to(DEVICE)
         assert stacked_weight((a, biased)) is None
         assert stacked_weight((a,)) is None  # nothing to fuse
+
+
+# --------------------------------------------------------------------------------------- the experts' slot sum
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("S,T,A,H", [(1, 1, 4, 1024), (1, 5, 6, 100), (4, 3, 2, 2000)])
+def test_sum_slots(dtype, S, T, A, H):
+    from sparkspec.ops.triton_kernels.moe import sum_slots
+
+    part = torch.randn(S, T, A, H, generator=_gen(S + T + A)).to(DEVICE)
+    got = sum_slots(part, dtype)
+    want = part.double().sum(dim=(0, 2))
+    assert got.dtype == dtype and got.shape == (T, H)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    else:  # one rounding of the fp32 sum (the interpreter truncates: up to 1 ulp)
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-6)

@@ -138,6 +138,45 @@ def _moe_down_kernel(
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _sum_slots_kernel(
+    part_ptr,  # [S, T, A, H] fp32 per-(split, pair) outputs
+    out_ptr,  # [T, H] x.dtype
+    num_tokens,
+    hidden,
+    NUM_SPLITS: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[t] = Σ_split Σ_slot part[split, t, slot] in that fixed order (fp32), rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        for a in tl.static_range(NUM_SLOTS):
+            acc += tl.load(part_ptr + ((s * num_tokens + t) * NUM_SLOTS + a) * hidden + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_slots(
+    part: torch.Tensor,  # [S, T, A, H] fp32 (contiguous)
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The experts' Σ over slots (and K splits) and the cast to x's dtype in one launch -> [T, H] `dtype`
+    (torch: a reduction and a copy)."""
+    check(part.dim() == 4 and part.is_contiguous() and part.dtype == torch.float32,
+          f"sum_slots: want contiguous fp32 [S, T, A, H], got {part.dtype} {tuple(part.shape)}")
+    S, T, A, H = part.shape
+    out = torch.empty(T, H, dtype=dtype, device=part.device)
+    if T == 0:
+        return out
+    block = min(max(next_pow2(H), 16), 1024)
+    _sum_slots_kernel[(T, triton.cdiv(H, block))](part, out, T, H, NUM_SPLITS=S, NUM_SLOTS=A, BLOCK=block,
+                                                 num_warps=4)
+    return out
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     block_m: int = 16  # rows per program (tl.dot needs >= 16)
@@ -217,4 +256,4 @@ def moe_experts_triton(
         act, order, ends, w2, s2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I,
         IEEE=ieee, FP4=fp4, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out.view(T, A, H).sum(dim=1).to(x.dtype)
+    return sum_slots(out.view(1, T, A, H), x.dtype)

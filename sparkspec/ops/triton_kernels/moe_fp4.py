@@ -40,7 +40,7 @@ import triton.language as tl
 
 from sparkspec.ops.formats import Quantized
 from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter, same_device
-from sparkspec.ops.triton_kernels.moe import _row_block
+from sparkspec.ops.triton_kernels.moe import _row_block, sum_slots
 
 GROUP_BYTES = tl.constexpr(16)  # one e8m0 scale per 32 values = 16 packed bytes
 
@@ -400,9 +400,7 @@ def moe_experts_fp4(
     _fp4_down_kernel[(grid_m, triton.cdiv(H, cfg.block_n), split_dn)](
         act, order, ends, w2d, s2, weights.float().contiguous().view(-1), out, P, E, HIDDEN=H, INTER=I,
         K_CHUNK=chunk_dn, **common)
-    if split_dn == 1:
-        return out.view(T, A, H).sum(dim=1).to(x.dtype)
-    return out.view(split_dn, T, A, H).sum(dim=(0, 2)).to(x.dtype)
+    return sum_slots(out.view(split_dn, T, A, H), x.dtype)
 
 
 def _k_split(K: int, cfg: Fp4Config) -> tuple[int, int]:
