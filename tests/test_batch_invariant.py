@@ -182,6 +182,8 @@ def test_pinned_rms_norm_and_mhc_rows_do_not_depend_on_the_batch():
         _rows_equal_across_batches(lambda x: rms_norm(x, w, 1e-6), lambda M: rand(M, H, seed=M), [3, 40, 70], 2)
         _rows_equal_across_batches(lambda x: mhc_pre(x, fn, scale, base, 1e-6, 1e-6, 5)[0],
                                    lambda M: rand(M, n, H, dtype=torch.bfloat16, seed=M), [5, 40], 4)
+        _rows_equal_across_batches(lambda x: mhc_pre(x, fn, scale, base, 1e-6, 1e-6, 5, w, 1e-6)[0],  # + norm
+                                   lambda M: rand(M, n, H, dtype=torch.bfloat16, seed=M), [5, 40], 4)
         hfn, hbase = fn[:n], base[:n]
         _rows_equal_across_batches(lambda x: hc_head(x, hfn, scale[:1], hbase, 1e-6, 1e-6),
                                    lambda M: rand(M, n, H, dtype=torch.bfloat16, seed=M), [5, 40], 4)

@@ -224,3 +224,31 @@ def test_sum_slots(dtype, S, T, A, H):
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
     else:  # one rounding of the fp32 sum (the interpreter truncates: up to 1 ulp)
         torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------- mhc_pre with the norm
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,n,H", [(1, 4, 1024), (11, 4, 300), (3, 3, 40)])  # H over several chunks; ragged
+def test_mhc_pre_with_the_sublayer_norm(dtype, T, n, H):
+    """The normalised layer input from the finish launch = rms_norm of the unfused launch's rounded input."""
+    from sparkspec.ops import mhc
+    from sparkspec.ops.triton_kernels import mhc as tri_mhc
+
+    g = _gen(T + H)
+    M = (2 + n) * n
+    x = torch.randn(T, n, H, generator=g).to(DEVICE, dtype)
+    fn, base = (torch.randn(M, n * H, generator=g) * 0.05).to(DEVICE), (torch.randn(M, generator=g) * 0.5).to(DEVICE)
+    scale, w = torch.rand(3, generator=g).to(DEVICE), (1 + torch.randn(H, generator=g) * 0.2).to(DEVICE)
+    args = (x, fn, scale, base, 1e-6, 1e-6, 20)
+    plain, post, comb = tri_mhc.mhc_pre(*args)
+    normed, post_n, comb_n = tri_mhc.mhc_pre(*args, w, 1e-6)
+    assert torch.equal(post, post_n) and torch.equal(comb, comb_n)
+    want = rope.rms_norm(plain.float(), w, 1e-6)  # fp32 norm of the same rounded input
+    assert normed.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(normed, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(normed.float(), want, rtol=2 ** -7, atol=1e-5)
+    native, _, _ = mhc.mhc_pre(x.float(), fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+    torch.testing.assert_close(normed.float(), native, rtol=2 ** -6 if dtype == torch.bfloat16 else 1e-4, atol=1e-3)

@@ -341,16 +341,18 @@ class Block(nn.Module):
             setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
 
     def hc_pre(self, x: torch.Tensor, part: str):
-        c = self.cfg
+        """-> (the sublayer's input, collapsed from the streams and normalised by its norm, post, comb)."""
+        c, norm = self.cfg, getattr(self, f"{part}_norm")
         return ops.mhc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
-                           getattr(self, f"hc_{part}_base"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+                           getattr(self, f"hc_{part}_base"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+                           fp32_weight(norm), norm.eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, attn_fn) -> torch.Tensor:
         """x: [T, n, H] streams; `attn_fn(normed [T, H]) -> [T, H]` runs this layer's attention."""
         h, post, comb = self.hc_pre(x, "attn")
-        x = ops.mhc_post(attn_fn(self.attn_norm(h)), x, post, comb)
+        x = ops.mhc_post(attn_fn(h), x, post, comb)
         h, post, comb = self.hc_pre(x, "ffn")
-        return ops.mhc_post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)
+        return ops.mhc_post(self.ffn(h, input_ids), x, post, comb)
 
 
 @dataclass

@@ -20,11 +20,15 @@ def mhc_pre(
     rms_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,  # [H] the sublayer's RMSNorm, applied to the layer input when given
+    norm_eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse the streams into one sublayer input.
 
     Returns (layer_input [T, H] in x.dtype, post [T, n] fp32, comb [T, n, n] fp32) where comb is made
-    doubly stochastic by softmax + Sinkhorn (`sinkhorn_iters` normalisation passes in total).
+    doubly stochastic by softmax + Sinkhorn (`sinkhorn_iters` normalisation passes in total). With `norm_weight`
+    the layer input comes normalised: `rms_norm(layer_input, norm_weight, norm_eps)` of the rounded input (the
+    sublayer's norm taken in the same launch where a kernel is registered).
     """
     T, n, H = x.shape
     flat = _rms_noweight(x.reshape(T, n * H).float(), rms_eps)
@@ -40,6 +44,10 @@ def mhc_pre(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     layer_input = (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+    if norm_weight is not None:
+        from sparkspec.ops.rope import rms_norm
+
+        layer_input = rms_norm(layer_input, norm_weight, norm_eps)
     return layer_input, post, comb
 
 

@@ -100,15 +100,45 @@ def _collapse_chunk(x_ptr, out_ptr, pre, toks, num_tokens, num_streams, hidden,
 
 
 @triton.jit
+def _collapse_norm(x_ptr, out_ptr, w_ptr, pre, toks, num_tokens, num_streams, hidden, eps,
+                   BLOCK_T: tl.constexpr, NP: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """out[t] = rms_norm(round(Σ_i pre[t, i] · x[t, i])) · w over whole rows: a first pass over H sums the squares
+    of the rounded collapse, a second recomputes it (x is re-read: n·H values a token) and stores it normalised."""
+    streams = tl.arange(0, NP)
+    tok_ok = toks < num_tokens
+    t64 = toks.to(tl.int64)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_HD):
+        hs = h0 + tl.arange(0, BLOCK_HD)
+        mask = tok_ok[:, None, None] & (streams[None, :, None] < num_streams) & (hs[None, None, :] < hidden)
+        x = tl.load(x_ptr + t64[:, None, None] * num_streams * hidden + streams[None, :, None] * hidden
+                    + hs[None, None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_T, NP, BLOCK_HD]
+        y = tl.sum(pre[:, :, None] * x, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        sumsq += tl.sum(y * y, axis=1)
+    rstd = 1.0 / tl.sqrt(sumsq / hidden + eps)
+    for h0 in range(0, hidden, BLOCK_HD):
+        hs = h0 + tl.arange(0, BLOCK_HD)
+        h_ok = hs < hidden
+        mask = tok_ok[:, None, None] & (streams[None, :, None] < num_streams) & h_ok[None, None, :]
+        x = tl.load(x_ptr + t64[:, None, None] * num_streams * hidden + streams[None, :, None] * hidden
+                    + hs[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, :, None] * x, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + hs, mask=h_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t64[:, None] * hidden + hs[None, :],
+                 (y * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & h_ok[None, :])
+
+
+@triton.jit
 def _mhc_pre_finish_kernel(
     x_ptr,  # [T, n, H] contiguous
     part_ptr,  # [SPLIT, T, BLOCK_M] fp32
     sumsq_ptr,  # [SPLIT, T] fp32
     scale_ptr,  # [3] fp32 (pre, post, comb)
     base_ptr,  # [M] fp32
-    out_ptr,  # [T, H] x.dtype   layer input
+    out_ptr,  # [T, H] x.dtype   layer input (normalised with NORM)
     post_ptr,  # [T, n] fp32
     comb_ptr,  # [T, n, n] fp32
+    norm_w_ptr,  # [H] the sublayer's RMSNorm weight (read only with NORM)
     num_tokens,
     num_streams,
     hidden,
@@ -116,10 +146,12 @@ def _mhc_pre_finish_kernel(
     rms_eps,
     hc_eps,
     sinkhorn_iters,
+    norm_eps,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_HD: tl.constexpr,
     NP: tl.constexpr,
+    NORM: tl.constexpr,  # one program per token block over all of H (grid (token blocks, 1))
 ):
     n = num_streams
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -166,7 +198,10 @@ def _mhc_pre_finish_kernel(
     tl.store(comb_ptr + toks[:, None, None].to(tl.int64) * n * n + a3 * n + b3, comb,
              mask=(toks < num_owned)[:, None, None] & valid)
 
-    _collapse_chunk(x_ptr, out_ptr, pre, toks, num_tokens, n, hidden, NP, BLOCK_HD)
+    if NORM:
+        _collapse_norm(x_ptr, out_ptr, norm_w_ptr, pre, toks, num_tokens, n, hidden, norm_eps, BLOCK_T, NP, BLOCK_HD)
+    else:
+        _collapse_chunk(x_ptr, out_ptr, pre, toks, num_tokens, n, hidden, NP, BLOCK_HD)
 
 
 @triton.jit
@@ -284,8 +319,12 @@ def mhc_pre(
     rms_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,  # [H]
+    norm_eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of `ops.mhc.mhc_pre` -> (layer_input [T, H] x.dtype, post [T, n] fp32, comb [T, n, n] fp32)."""
+    """Triton twin of `ops.mhc.mhc_pre` -> (layer_input [T, H] x.dtype, post [T, n] fp32, comb [T, n, n] fp32);
+    with `norm_weight` the sublayer's RMSNorm in the finish launch (one program per token block over all of H:
+    no rms_norm launch after it)."""
     n = x.shape[1] if x.dim() == 3 else 0
     _check_mix("mhc_pre", x, fn, base, (2 + n) * n)
     check(scale.numel() == 3, f"mhc_pre: scale must have 3 entries (pre, post, comb), got {scale.numel()}")
@@ -297,12 +336,19 @@ def mhc_pre(
     comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
     if T == 0:
         return out, post, comb
+    norm = norm_weight is not None
+    if norm:
+        check(norm_weight.numel() == H and norm_eps is not None,
+              f"mhc_pre: norm_weight must have {H} entries and come with norm_eps, got {norm_weight.numel()}")
+        norm_weight = norm_weight.contiguous()
     part, sumsq, splits, block_m = _mixes(x, fn.float().contiguous())
     grid, block_hd = _finish_grid(x)
+    grid = (grid[0], 1) if norm else grid
     _mhc_pre_finish_kernel[grid](
         x, part, sumsq, scale.float().contiguous(), base.float().contiguous(), out, post, comb,
-        T, n, H, splits, float(rms_eps), float(hc_eps), int(sinkhorn_iters),
-        BLOCK_T=_FINISH_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n), num_warps=4,
+        norm_weight if norm else out, T, n, H, splits, float(rms_eps), float(hc_eps), int(sinkhorn_iters),
+        float(norm_eps or 0.0), BLOCK_T=_FINISH_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n),
+        NORM=norm, num_warps=4,
     )
     return out, post, comb
 
