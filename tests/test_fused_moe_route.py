@@ -252,3 +252,26 @@ def test_mhc_pre_with_the_sublayer_norm(dtype, T, n, H):
         torch.testing.assert_close(normed.float(), want, rtol=2 ** -7, atol=1e-5)
     native, _, _ = mhc.mhc_pre(x.float(), fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
     torch.testing.assert_close(normed.float(), native, rtol=2 ** -6 if dtype == torch.bfloat16 else 1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_experts_adds_the_shared_output_in_its_last_launch(dtype):
+    """moe_experts(..., shared) = moe_experts(...) + shared, the add after the rounding (as the model added)."""
+    from sparkspec.ops.triton_kernels.moe import moe_experts_triton
+
+    g = _gen(9)
+    T, H, I, E, A = 5, 64, 32, 8, 2
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.1).to(DEVICE, dtype)
+    w = torch.rand(T, A, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)]).to(DEVICE)
+    shared = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    got = moe_experts_triton(x, w13, w2, w, ids, 10.0, shared=shared)
+    want = moe_experts_triton(x, w13, w2, w, ids, 10.0) + shared
+    if DEVICE.type != "cpu" or dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:  # the interpreter truncates where the device (and torch's add) round to nearest
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(moe.moe_experts(x, w13, w2, w, ids, 10.0, shared), moe.moe_experts(x, w13, w2, w, ids, 10.0)
+                       + shared)

@@ -312,14 +312,16 @@ class MoE(nn.Module):
             local = ids - first
             held = (local >= 0) & (local < num)
             ids, weights = local.clamp(0, num - 1), weights * held
-        w13, w2 = expert_weights(self)  # stacked once (views share the parameters' storage)
-        routed = ops.moe_experts(x, w13, w2, weights, ids, cfg.swiglu_limit)
         se = self.shared_experts
         gate_up = stacked_linear(x, se.w1, se.w3)  # [T, 2I] one GEMM where w1 / w3 can share a stacked weight
         act = (swiglu(se.w1(x), se.w3(x), cfg.swiglu_limit) if gate_up is None
                else ops.swiglu_packed(gate_up, cfg.swiglu_limit))
         shared = se.w2(act)
-        return all_reduce(routed + shared, self.tp)  # tensor parallel: each rank holds a slice of every expert
+        w13, w2 = expert_weights(self)  # stacked once (views share the parameters' storage)
+        fused = shared.dtype == x.dtype  # routed + shared in the experts' last launch
+        y = ops.moe_experts(x, w13, w2, weights, ids, cfg.swiglu_limit, shared if fused else None)
+        # tensor parallel: each rank holds a slice of every expert
+        return all_reduce(y if fused else y + shared, self.tp)
 
 
 class Block(nn.Module):

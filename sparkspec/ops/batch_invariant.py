@@ -211,21 +211,22 @@ def moe_tiles():
 
 
 @invariant("moe_experts", "cuda", "rocm", "xpu")
-def moe_experts_invariant(x, w13, w2, weights, ids, limit: float) -> torch.Tensor:
+def moe_experts_invariant(x, w13, w2, weights, ids, limit: float, shared=None) -> torch.Tensor:
     """The Triton grouped GEMMs at every size with fixed tiles (`moe_tiles`), never `torch._grouped_mm`. x [T, H],
-    w13 [E, 2I, H], w2 [E, H, I] (plain or FP4 `Quantized`), weights / ids [T, A] -> [T, H]."""
+    w13 [E, 2I, H], w2 [E, H, I] (plain or FP4 `Quantized`), weights / ids [T, A], shared [T, H] or None
+    -> [T, H]."""
     from sparkspec.ops.formats import Quantized
     from sparkspec.ops.moe import moe_experts
 
     fp4 = isinstance(w13, Quantized)
     plain = () if fp4 else (w13, w2)
     if x.device.type == "cpu" or _needs_grad(x, *plain) or torch.is_autocast_enabled(x.device.type):
-        return moe_experts(x, w13, w2, weights, ids, limit)
+        return moe_experts(x, w13, w2, weights, ids, limit, shared)
     plain_tile, fp4_tile = moe_tiles()
     if fp4:
         from sparkspec.ops.triton_kernels.moe_fp4 import moe_experts_fp4
 
-        return moe_experts_fp4(x, w13, w2, weights, ids, limit, config=fp4_tile)
+        return moe_experts_fp4(x, w13, w2, weights, ids, limit, config=fp4_tile, shared=shared)
     from sparkspec.ops.triton_kernels.moe import moe_experts_triton
 
-    return moe_experts_triton(x, w13, w2, weights, ids, limit, config=plain_tile)
+    return moe_experts_triton(x, w13, w2, weights, ids, limit, config=plain_tile, shared=shared)

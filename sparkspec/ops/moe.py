@@ -185,8 +185,11 @@ def moe_experts(
     weights: torch.Tensor,  # [T, A] fp32
     ids: torch.Tensor,  # [T, A] int64
     limit: float,
+    shared: torch.Tensor | None = None,  # [T, H] x.dtype: the shared expert's output, added to the result
 ) -> torch.Tensor:
-    """Σ_a weights[t, a] · w2[e] swiglu(w1[e] x[t], w3[e] x[t]), e = ids[t, a] -> [T, H] (x.dtype).
+    """Σ_a weights[t, a] · w2[e] swiglu(w1[e] x[t], w3[e] x[t]), e = ids[t, a] -> [T, H] (x.dtype), plus `shared`
+    when given (added to the rounded sum, as `routed + shared` adds: accelerated versions do it in their last
+    launch).
 
     No host sync and a torch-op count fixed by the shapes' path: (token, slot) pairs sorted by expert and two
     `torch._grouped_mm` (where `grouped_mm_ok`), else every expert on every token (`_moe_dense`). FP4 stacks
@@ -198,12 +201,14 @@ def moe_experts(
     w13, w2 = (w.dequantize(dt) if isinstance(w, Quantized) else w for w in (w13, w2))
     xc, w13, w2 = x.to(dt), w13.to(dt), w2.to(dt)  # no-ops unless autocast
     if T == 0 or not grouped_mm_ok(dt, x.device, H, I):
-        return _moe_dense(xc, w13, w2, weights, ids, limit).to(x.dtype)
+        y = _moe_dense(xc, w13, w2, weights, ids, limit).to(x.dtype)
+        return y if shared is None else y + shared
     order, ends = sort_by_expert(ids, E)
     h = torch._grouped_mm(xc[order // A], w13.transpose(1, 2), offs=ends)  # [T*A, 2I] sorted rows
     o = torch._grouped_mm(swiglu(h[:, :I], h[:, I:], limit), w2.transpose(1, 2), offs=ends)  # [T*A, H]
     y = torch.empty_like(o).index_copy_(0, order, o)  # back to (token, slot) order: no add collisions
-    return (y.view(T, A, H).float() * weights.float().unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    y = (y.view(T, A, H).float() * weights.float().unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    return y if shared is None else y + shared
 
 
 _TRITON_MAX_PAIRS = 256  # T·A up to this: the Triton kernel beats torch._grouped_mm (H200, decode sizes)
@@ -217,6 +222,7 @@ def moe_experts_accelerated(
     weights: torch.Tensor,  # [T, A] fp32
     ids: torch.Tensor,  # [T, A] int64
     limit: float,
+    shared: torch.Tensor | None = None,  # [T, H]
 ) -> torch.Tensor:
     """The Triton grouped GEMM for decode sizes (T·A <= 256), where `torch._grouped_mm` is not usable, and for
     FP4 stacks at any size (`triton_kernels.moe_fp4`: the packed bytes streamed and decoded in registers); the
@@ -227,15 +233,15 @@ def moe_experts_accelerated(
         w.requires_grad for w in (w13, w2) if not isinstance(w, Quantized)))
     big = not fp4 and ids.numel() > _TRITON_MAX_PAIRS and grouped_mm_ok(_compute_dtype(x), x.device, *w2.shape[1:])
     if x.device.type == "cpu" or needs_grad or big or torch.is_autocast_enabled(x.device.type):
-        return moe_experts(x, w13, w2, weights, ids, limit)
+        return moe_experts(x, w13, w2, weights, ids, limit, shared)
     try:
         from sparkspec.ops.triton_kernels.moe import moe_experts_triton
         from sparkspec.ops.triton_kernels.moe_fp4 import moe_experts_fp4
     except ImportError:
-        return moe_experts(x, w13, w2, weights, ids, limit)
+        return moe_experts(x, w13, w2, weights, ids, limit, shared)
     if fp4:  # its own kernels, configured by T·A (FMA rows for decode, tensor-core tiles for large batches)
-        return moe_experts_fp4(x, w13, w2, weights, ids, limit)
-    return moe_experts_triton(x, w13, w2, weights, ids, limit)
+        return moe_experts_fp4(x, w13, w2, weights, ids, limit, shared=shared)
+    return moe_experts_triton(x, w13, w2, weights, ids, limit, shared=shared)
 
 
 _DENSE_BUDGET = 1 << 25  # elements of one [experts, T, 2I] intermediate in `_moe_dense`

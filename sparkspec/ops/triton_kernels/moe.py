@@ -141,14 +141,17 @@ def _moe_down_kernel(
 @triton.jit
 def _sum_slots_kernel(
     part_ptr,  # [S, T, A, H] fp32 per-(split, pair) outputs
+    shared_ptr,  # [T, H] x.dtype, contiguous (read only with SHARED)
     out_ptr,  # [T, H] x.dtype
     num_tokens,
     hidden,
     NUM_SPLITS: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
+    SHARED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """out[t] = Σ_split Σ_slot part[split, t, slot] in that fixed order (fp32), rounded once."""
+    """out[t] = Σ_split Σ_slot part[split, t, slot] in that fixed order (fp32), rounded once; with SHARED plus
+    shared[t], rounded again (what `routed + shared` in x.dtype gives)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -156,24 +159,34 @@ def _sum_slots_kernel(
     for s in tl.static_range(NUM_SPLITS):
         for a in tl.static_range(NUM_SLOTS):
             acc += tl.load(part_ptr + ((s * num_tokens + t) * NUM_SLOTS + a) * hidden + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if SHARED:
+        y = (y.to(tl.float32) + tl.load(shared_ptr + t * hidden + cols, mask=ok, other=0.0).to(tl.float32)).to(
+            out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * hidden + cols, y, mask=ok)
 
 
 def sum_slots(
     part: torch.Tensor,  # [S, T, A, H] fp32 (contiguous)
     dtype: torch.dtype,
+    shared: torch.Tensor | None = None,  # [T, H] `dtype`: the shared expert's output
 ) -> torch.Tensor:
-    """The experts' Σ over slots (and K splits) and the cast to x's dtype in one launch -> [T, H] `dtype`
-    (torch: a reduction and a copy)."""
+    """The experts' Σ over slots (and K splits), the cast to x's dtype and the shared expert's add in one launch
+    -> [T, H] `dtype` (torch: a reduction, a copy and an add)."""
     check(part.dim() == 4 and part.is_contiguous() and part.dtype == torch.float32,
           f"sum_slots: want contiguous fp32 [S, T, A, H], got {part.dtype} {tuple(part.shape)}")
     S, T, A, H = part.shape
+    if shared is not None:
+        check(tuple(shared.shape) == (T, H) and shared.dtype == dtype and shared.device == part.device,
+              f"sum_slots: shared must be {dtype} [{T}, {H}], got {shared.dtype} {tuple(shared.shape)}")
+        shared = shared.contiguous()
     out = torch.empty(T, H, dtype=dtype, device=part.device)
     if T == 0:
         return out
     block = min(max(next_pow2(H), 16), 1024)
-    _sum_slots_kernel[(T, triton.cdiv(H, block))](part, out, T, H, NUM_SPLITS=S, NUM_SLOTS=A, BLOCK=block,
-                                                 num_warps=4)
+    _sum_slots_kernel[(T, triton.cdiv(H, block))](part, shared if shared is not None else out, out, T, H,
+                                                 NUM_SPLITS=S, NUM_SLOTS=A, SHARED=shared is not None,
+                                                 BLOCK=block, num_warps=4)
     return out
 
 
@@ -202,6 +215,7 @@ def moe_experts_triton(
     ids: torch.Tensor,  # [T, A] int expert ids
     limit: float,
     config: MoeConfig | None = None,
+    shared: torch.Tensor | None = None,  # [T, H] x.dtype, added in the last launch
 ) -> torch.Tensor:
     """Triton twin of `ops.moe.moe_experts` -> [T, H] (x.dtype), on plain or FP4 (`Quantized`) stacks. No host
     sync; the launches and torch ops depend on the shapes only."""
@@ -234,7 +248,7 @@ def moe_experts_triton(
     A = ids.shape[1]
     P = T * A
     if P == 0:
-        return x.new_zeros(T, H)
+        return x.new_zeros(T, H) if shared is None else shared.clone()
     x = x if x.stride(-1) == 1 else x.contiguous()
     order, ends = sort_by_expert(ids, E)  # [P] int64, [E] int32
     cfg = config or default_config(P, on_interpreter(x))
@@ -256,4 +270,4 @@ def moe_experts_triton(
         act, order, ends, w2, s2, weights.float().contiguous().view(-1), out, E, HIDDEN=H, INTER=I,
         IEEE=ieee, FP4=fp4, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_P=e_p,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return sum_slots(out.view(1, T, A, H), x.dtype)
+    return sum_slots(out.view(1, T, A, H), x.dtype, shared)

@@ -347,6 +347,7 @@ def moe_experts_fp4(
     ids: torch.Tensor,  # [T, A] int expert ids
     limit: float,
     config: Fp4Config | None = None,
+    shared: torch.Tensor | None = None,  # [T, H] x.dtype, added in the last launch
 ) -> torch.Tensor:
     """FP4 twin of `ops.moe.moe_experts` -> [T, H] (x.dtype). No host sync; launches fixed by the shapes."""
     from sparkspec.ops.moe import sort_by_expert
@@ -371,7 +372,7 @@ def moe_experts_fp4(
     A = ids.shape[1]
     P = T * A
     if P == 0:
-        return x.new_zeros(T, H)
+        return x.new_zeros(T, H) if shared is None else shared.clone()
     interp = on_interpreter(x)
     cfg = config or fp4_config(P, interp)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -400,7 +401,7 @@ def moe_experts_fp4(
     _fp4_down_kernel[(grid_m, triton.cdiv(H, cfg.block_n), split_dn)](
         act, order, ends, w2d, s2, weights.float().contiguous().view(-1), out, P, E, HIDDEN=H, INTER=I,
         K_CHUNK=chunk_dn, **common)
-    return sum_slots(out.view(split_dn, T, A, H), x.dtype)
+    return sum_slots(out.view(split_dn, T, A, H), x.dtype, shared)
 
 
 def _k_split(K: int, cfg: Fp4Config) -> tuple[int, int]:
