@@ -26,7 +26,12 @@ NAMES = [
      "moe_routing"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::sigmoid_kernel_cuda(at::TensorIteratorBase&)",
      "moe_routing"),
+    ("_topk_select_kernel", "attention"),  # the indexer's top-k, not the router's
+    ("_moe_route_kernel", "moe_routing"),
+    ("_moe_sort_kernel", "moe_routing"),
     ("_moe_up_kernel", "fp4_experts"),
+    ("_sum_slots_kernel", "fp4_experts"),
+    ("_swiglu_kernel", "shared_expert"),
     ("_moe_down_kernel", "fp4_experts"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)",
      "shared_expert"),

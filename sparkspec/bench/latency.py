@@ -151,10 +151,11 @@ def step_split(eng, batch: int, context_len: int, repeats: int = 5) -> dict:
 KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fp8_linears", ("_fp8_linear", "_sum_splits", "scaled_mm", "e4m3", "f8f8")),
     ("mhc", ("_mix_partial", "_mhc_", "_hc_head")),
-    ("attention", ("_sparse_attention", "_indexer_", "_emit_", "_store_states", "_ragged", "_compress")),
+    ("attention", ("_sparse_attention", "_indexer_", "_topk_select", "_emit_", "_store_states", "_ragged",
+                   "_compress")),
     ("moe_routing", ("_moe_route", "_moe_gate", "_moe_sort", "topk", "sigmoid", "softplus", "searchsorted",
                      "bincount", "histogram", "radixsort&long, long")),
-    ("fp4_experts", ("_moe_", "grouped_mm", "grouped_gemm", "_fp4")),
+    ("fp4_experts", ("_moe_", "_sum_slots", "grouped_mm", "grouped_gemm", "_fp4")),
     ("shared_expert", ("silu", "swiglu")),
     ("norms_rope", ("_norm_rope", "rms_norm", "rmsnorm", "rsqrt", "_rope")),
     ("sampling", ("argmax", "distribution_", "exponential", "multinomial", "softmax", "_sample", "gumbel")),
