@@ -77,3 +77,18 @@ def test_indexer_topk_over_the_select_limit_takes_the_sort(monkeypatch):
     vis = torch.tensor([40, 11], device=DEVICE)
     assert torch.equal(tri_comp.indexer_topk(q, w, keys, req, vis, 8, 0.5),
                        compressor.indexer_topk(q, w, keys, req, vis, 8, 0.5))
+
+
+def test_indexer_topk_weight_scale_is_the_scaled_weights():
+    """weight_scale c on bf16 head weights gives what the fp32 weights · c gave (the model's old cast and mul)."""
+    from sparkspec.ops import compressor
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 8, 32, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(3, 8, generator=g).to(DEVICE, torch.bfloat16)
+    keys = torch.randn(2, 50, 32, generator=g).to(DEVICE)
+    req = torch.tensor([0, 1, 1], device=DEVICE)
+    vis = torch.tensor([50, 20, 3], device=DEVICE)
+    c = 8 ** -0.5
+    for impl in (tri_comp.indexer_topk, compressor.indexer_topk):
+        assert torch.equal(impl(q, w, keys, req, vis, 16, 0.2, c), impl(q, w.float() * c, keys, req, vis, 16, 0.2))

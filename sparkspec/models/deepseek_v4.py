@@ -195,7 +195,7 @@ class Attention(nn.Module):
         if ix is None:
             return q, kv, None, None
         iq = self.rotary.apply(iq[0].view(T, ix.n_heads, ix.head_dim), positions, rot=rot)
-        return q, kv, iq, iw[0].float() * ix.n_heads ** -0.5
+        return q, kv, iq, iw[0]
 
     def project_out(self, o: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None
                     ) -> torch.Tensor:
@@ -229,7 +229,7 @@ class Attention(nn.Module):
             ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan, entry_rot, pools["idx_keys"], plan.key_rows)
             keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed)[req])]
             topk = ops.indexer_topk(iq, iw, keys, None, batch.memo(("visible", r), lambda: (pos + 1) // r), ix.topk,
-                                    ix.head_dim ** -0.5)
+                                    ix.head_dim ** -0.5, ix.n_heads ** -0.5)
             indices = self.indices(batch, topk, num_compressed)
         else:  # sliding and heavily compressed layers: the same lists for every layer of the ratio
             indices = batch.memo(("indices", r), lambda: self.indices(batch, None, num_compressed))

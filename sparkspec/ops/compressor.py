@@ -69,12 +69,13 @@ def emit_entries(
 @native("indexer_topk")
 def indexer_topk(
     q: torch.Tensor,  # [T, ih, id] indexer queries (RoPE applied)
-    weights: torch.Tensor,  # [T, ih] per-head weights (already scaled)
+    weights: torch.Tensor,  # [T, ih] per-head weights (times weight_scale)
     keys: torch.Tensor,  # [R, C, id] compressed indexer keys of each request (rows past its entries: anything)
     req_idx: torch.Tensor | None,  # [T] request of each query; None: keys are already per query ([T, C, id])
     num_visible: torch.Tensor,  # [T] int: entries j < num_visible[t] may be chosen
     topk: int,
     scale: float,
+    weight_scale: float = 1.0,  # w = weights (in fp32) · weight_scale: the head weights' factor, taken here
 ) -> torch.Tensor:
     """Lightning indexer: score[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[r(t), j])·scale, keep the top `topk` visible
     entries -> [T, topk] int64 entry ids, -1 padded (ties broken towards the lower id)."""
@@ -84,7 +85,7 @@ def indexer_topk(
         return torch.full((T, topk), -1, dtype=torch.long, device=q.device)
     keys = keys.float() if req_idx is None else keys.float()[req_idx]  # [T, C, id]
     s = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys)) * scale
-    s = (s * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, C]
+    s = (s * (weights.float() * weight_scale).unsqueeze(-1)).sum(dim=1)  # [T, C]
     visible = torch.arange(C, device=q.device).unsqueeze(0) < num_visible.unsqueeze(1)
     s = torch.where(visible, s, float("-inf"))
     # a stable sort (not torch.topk, whose tie order is unspecified) keeps equal scores in id order;

@@ -283,6 +283,7 @@ def _indexer_scores_kernel(
     stride_wt,
     stride_kr,
     stride_kc,
+    weight_scale,
     HAS_REQ: tl.constexpr,
     SPLIT: tl.constexpr,  # see _exact_dot_t
     BF16_DOT: tl.constexpr,
@@ -303,7 +304,7 @@ def _indexer_scores_kernel(
     k = tl.load(keys_ptr + key_set * stride_kr + cols[:, None].to(tl.int64) * stride_kc + dims[None, :],
                 mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_C, BLOCK_D]
     s = tl.maximum(_exact_dot_t(q, k, SPLIT, BF16_DOT), 0.0) * scale  # [BLOCK_H, BLOCK_C]
-    w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32) * weight_scale
     score = tl.sum(s * w[:, None], axis=0)  # [BLOCK_C]
     score = tl.where(cols < visible, score, float("-inf"))
     tl.store(out_ptr + t * num_entries + cols, score, mask=cols < num_entries)
@@ -348,6 +349,7 @@ def indexer_topk(
     num_visible: torch.Tensor,  # [T]
     topk: int,
     scale: float,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton twin of `ops.compressor.indexer_topk`: the scores in one launch, then the top-k by one more (a
     per-row bitonic sort giving `torch.sort`'s stable order: the same ids; over TOPK_SELECT_MAX_ENTRIES entries the
@@ -377,7 +379,7 @@ def indexer_topk(
     block_c = 64 if split else 32
     _indexer_scores_kernel[(T, triton.cdiv(C, block_c))](
         q, weights, keys, req_idx if req_idx is not None else num_visible, num_visible, scores, ih, C, dim,
-        float(scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1),
+        float(scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), float(weight_scale),
         HAS_REQ=req_idx is not None, SPLIT=split, BF16_DOT=split and not on_interpreter(q),
         BLOCK_H=max(next_pow2(ih), 16), BLOCK_C=block_c, BLOCK_D=max(next_pow2(dim), 16), num_warps=4,
     )
