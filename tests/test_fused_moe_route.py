@@ -275,3 +275,23 @@ def test_moe_experts_adds_the_shared_output_in_its_last_launch(dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
     assert torch.equal(moe.moe_experts(x, w13, w2, w, ids, 10.0, shared), moe.moe_experts(x, w13, w2, w, ids, 10.0)
                        + shared)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_writes_its_rows_into_a_pool(dtype):
+    """rope(..., out=pool, out_rows=rows) = pool.index_copy_(0, rows, rope(...)): the KV cache write in the norm /
+    RoPE launch; the other pool rows untouched."""
+    g = _gen(12)
+    T, D, R = 6, 64, 16
+    wide = torch.randn(T, D + 30, generator=g).to(DEVICE, dtype)
+    kv = wide[:, 30:]  # a column slice, as the stacked projection gives it
+    w = torch.randn(D, generator=g).to(DEVICE)
+    rot = torch.polar(torch.ones(T, R // 2), torch.randn(T, R // 2, generator=g)).to(DEVICE)
+    rows = torch.tensor([9, 2, 17, 0, 5, 11], device=DEVICE)
+    pool = torch.randn(20, D, generator=g).to(DEVICE, dtype)
+    want = pool.clone().index_copy_(0, rows, tri_rope.rope(kv, rot, False, w, 1e-6))
+    got = tri_rope.rope(kv, rot, False, w, 1e-6, None, pool, rows)
+    assert got is pool and torch.equal(pool, want)
+    native_pool = pool.clone()
+    rope.rope(kv.float(), rot, False, w, 1e-6, None, native_pool, rows)
+    torch.testing.assert_close(native_pool.float(), want.float(), rtol=2 ** -7, atol=1e-5)

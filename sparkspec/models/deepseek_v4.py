@@ -88,14 +88,16 @@ class Rotary(nn.Module):
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor | None, inverse: bool = False,
               rot: torch.Tensor | None = None, norm: RMSNorm | float | None = None,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+              out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, ..., F] with the rotary dims last; positions [T] (or `rot`, their rotation from `rotations`).
         `norm`: an RMSNorm (or the eps of an unweighted one) applied to each row first, fused with the rotation
-        (`ops.rope`: one launch, one rounding to `out_dtype`, default x.dtype)."""
+        (`ops.rope`: one launch, one rounding to `out_dtype`, default x.dtype). `out` / `out_rows`: x [T, F]'s rows
+        go to out[out_rows] instead (a cache write in the same launch)."""
         rot = self.rotation(positions) if rot is None else rot
         if isinstance(norm, RMSNorm):
-            return ops.rope(x, rot, inverse, fp32_weight(norm), norm.eps, out_dtype)
-        return ops.rope(x, rot, inverse, None, norm, out_dtype)
+            return ops.rope(x, rot, inverse, fp32_weight(norm), norm.eps, out_dtype, out, out_rows)
+        return ops.rope(x, rot, inverse, None, norm, out_dtype, out, out_rows)
 
 
 class Compressor(nn.Module):
@@ -181,7 +183,8 @@ class Attention(nn.Module):
         """-> kv [T, D]: the shared K = V latent, normalised, RoPE at `positions`."""
         return self.rotary.apply(self.wkv(x), positions, rot=rot, norm=self.kv_norm)
 
-    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None
+    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None,
+                    kv_pool: torch.Tensor | None = None, kv_rows: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """`project_q` and `project_kv` with the indexer's projections of the same inputs (CSA layers), each input's
         linears as one GEMM of their stacked weights (`fused_linear`: wq_a / wkv / weights_proj on x, wq_b / the
@@ -191,7 +194,7 @@ class Attention(nn.Module):
         qa, kv, *iw = fused_linear(x, self.wq_a, self.wkv, *([ix.weights_proj] if ix is not None else []))
         qb, *iq = fused_linear(self.q_norm(qa), self.wq_b, *([ix.wq_b] if ix is not None else []))
         q = self.rotary.apply(qb.view(T, self.n_heads, self.head_dim), positions, rot=rot, norm=self.cfg.rms_norm_eps)
-        kv = self.rotary.apply(kv, positions, rot=rot, norm=self.kv_norm)
+        kv = self.rotary.apply(kv, positions, rot=rot, norm=self.kv_norm, out=kv_pool, out_rows=kv_rows)
         if ix is None:
             return q, kv, None, None
         iq = self.rotary.apply(iq[0].view(T, ix.n_heads, ix.head_dim), positions, rot=rot)
@@ -214,8 +217,7 @@ class Attention(nn.Module):
         pos, req, r = batch.positions, batch.req_idx, self.ratio
         pools = batch.cache.layers[self.layer_id]
         rot = self.rotary.rotations(batch, "tokens", lambda: pos)
-        q, kv, iq, iw = self.project_qkv(x, pos, rot)
-        store(pools["attn"], batch.token_rows(r), kv)
+        q, _, iq, iw = self.project_qkv(x, pos, rot, pools["attn"], batch.token_rows(r))  # kv -> its cache rows
         topk, num_compressed = None, 0
         if self.compressor is not None:
             plan = batch.emission(r, 2 * r if self.compressor.overlap else r)

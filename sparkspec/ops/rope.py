@@ -33,14 +33,21 @@ def rope(
     norm_weight: torch.Tensor | None = None,  # [F] weight of the RMS norm taken first (when norm_eps is set)
     norm_eps: float | None = None,  # set: RMS-normalise each row over F first (fp32, no rounding in between)
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,  # [S, F] a pool (x [T, F]): the rows are written to out[out_rows] instead
+    out_rows: torch.Tensor | None = None,  # [T] rows of out
 ) -> torch.Tensor:
     """GPT-J (interleaved pairs) RoPE on the last R = 2·rot.shape[1] features of x: each pair (even, odd) is the
     complex number even + i·odd, multiplied by rot (or its conjugate). Optionally after an RMS norm of the whole
-    row. The other features pass through. fp32 arithmetic -> [T, ..., F] out_dtype (default x.dtype)."""
+    row. The other features pass through. fp32 arithmetic -> [T, ..., F] out_dtype (default x.dtype); with `out`, the
+    rows written to out[out_rows] in out's dtype (one launch for the projection's norm, rotation and cache write where
+    a kernel is registered) -> out."""
     y = x.float() if norm_eps is None else rms_norm(x, norm_weight, norm_eps, torch.float32)
     R = 2 * rot.shape[-1]
     rot = rot.conj() if inverse else rot
     rot = rot.view([rot.shape[0]] + [1] * (x.dim() - 2) + [rot.shape[1]])
     pairs = torch.view_as_complex(y[..., -R:].unflatten(-1, (-1, 2)).contiguous())  # [T, ..., R/2]
     rotated = torch.view_as_real(pairs * rot).flatten(-2)
-    return torch.cat([y[..., :-R], rotated], dim=-1).to(out_dtype or x.dtype)
+    y = torch.cat([y[..., :-R], rotated], dim=-1)
+    if out is not None:  # the cache write: rounded once, to the pool's dtype
+        return out.index_copy_(0, out_rows, y.to(out.dtype))
+    return y.to(out_dtype or x.dtype)

@@ -24,7 +24,8 @@ def _norm_rope_kernel(
     x_ptr,  # [T, N / T, F]: a token's rows contiguous, tokens stride_xt apart; any float dtype
     w_ptr,  # [F] norm weight (read only when HAS_WEIGHT)
     rot_ptr,  # [T, R/2, 2] fp32 (cos, sin) of each token's rotation (read only when ROPE)
-    out_ptr,  # [N, F] the output dtype
+    out_ptr,  # [N, F] the output dtype (SCATTER: a pool [S, F], row out_rows[r] for row r)
+    out_rows_ptr,  # [N] int rows of out (read only with SCATTER)
     num_rows,
     width,  # F
     rows_per_token,  # N / T
@@ -37,6 +38,7 @@ def _norm_rope_kernel(
     HAS_WEIGHT: tl.constexpr,
     ROPE: tl.constexpr,
     INVERSE: tl.constexpr,  # rotate by the conjugate
+    SCATTER: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_F)
@@ -69,16 +71,28 @@ def _norm_rope_kernel(
             sin = -sin
         sign = tl.where(k % 2 == 0, -1.0, 1.0)  # (a + ib)(c + is): even a·c - b·s, odd b·c + a·s
         x = x * cos + sign[None, :] * xp * sin
+    if SCATTER:
+        dest = tl.load(out_rows_ptr + rows, mask=rows < num_rows, other=0).to(tl.int64)
+        row_base = dest[:, None] * width
     tl.store(out_ptr + row_base + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, rot: torch.Tensor | None,
-            inverse: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
+            inverse: bool, out_dtype: torch.dtype | None, out: torch.Tensor | None = None,
+            out_rows: torch.Tensor | None = None) -> torch.Tensor:
     F = x.shape[-1]
     # tokens need not be adjacent: a column slice of a wider matrix (one GEMM's output for several projections)
     # is read in place
     x = x if x.is_contiguous() or (x.dim() >= 2 and x[0].is_contiguous()) else x.contiguous()
-    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    scatter = out is not None
+    if scatter:
+        check(x.dim() == 2 and out.dim() == 2 and out.shape[1] == F and out.is_contiguous(),
+              f"rope: out must be a contiguous [S, {F}] pool for rows [T, {F}], got {tuple(out.shape)} for "
+              f"{tuple(x.shape)}")
+        check(out_rows is not None and out_rows.shape == (x.shape[0],) and same_device(x, out, out_rows),
+              f"rope: out_rows must be [{x.shape[0]}] on {x.device}")
+    else:
+        out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     N = x.numel() // max(F, 1)
     if N == 0:
         return out
@@ -102,10 +116,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, rot
     # splits a row's reduction over threads, so it must not depend on the batch
     block_r = max(1, _MAX_TILE // block_f if pinned() else min(next_pow2(N), _MAX_TILE // block_f))
     _norm_rope_kernel[(triton.cdiv(N, block_r),)](
-        x, weight if weight is not None else x, rot_real, out, N, F, rows_per_token, rope_start,
+        x, weight if weight is not None else x, rot_real, out, out_rows if scatter else x, N, F, rows_per_token,
+        rope_start,
         float(eps or 0.0), stride_xt, BLOCK_R=block_r, BLOCK_F=block_f, NORM=eps is not None,
         HAS_WEIGHT=weight is not None,
-        ROPE=rot is not None, INVERSE=bool(inverse), num_warps=4,
+        ROPE=rot is not None, INVERSE=bool(inverse), SCATTER=scatter, num_warps=4,
     )
     return out
 
@@ -130,8 +145,10 @@ def rope(
     norm_weight: torch.Tensor | None = None,  # [F]
     norm_eps: float | None = None,
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,  # [S, F] a pool: rows go to out[out_rows] (the cache write in this launch)
+    out_rows: torch.Tensor | None = None,  # [T]
 ) -> torch.Tensor:
-    """Triton twin of `ops.rope.rope` -> [T, ..., F] out_dtype (default x.dtype)."""
+    """Triton twin of `ops.rope.rope` -> [T, ..., F] out_dtype (default x.dtype), or `out` with its rows written."""
     check(x.dim() >= 2, f"rope: x must be [T, ..., F], got {tuple(x.shape)}")
     check(norm_weight is None or norm_eps is not None, "rope: norm_weight without norm_eps")
-    return _launch(x, norm_weight, norm_eps, rot, inverse, out_dtype)
+    return _launch(x, norm_weight, norm_eps, rot, inverse, out_dtype, out, out_rows)
