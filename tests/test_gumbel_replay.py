@@ -1,4 +1,4 @@
-"""`spec_decode.replay`: DSpark's acceptance replayed on plain decoding's sequences. Gumbel-max: the engine's own
+"""`bench.replay`: DSpark's acceptance replayed on plain decoding's sequences. Gumbel-max: the engine's own
 verify steps and accepted drafts, request by request (any proposal rule); rejection: the simulated acceptances
 follow min(1, q(x) / p(x)) per slot. Deterministic (fixed seeds)."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from sparkspec.bench import replay
 from sparkspec.ops.sampling import SamplingTensors
 from sparkspec.sampling_params import SamplingParams as SP
-from sparkspec.spec_decode import replay
 
 
 def one_row(params: SP, seed: int) -> SamplingTensors:

@@ -11,7 +11,7 @@ time of the generation loop (prefill included, engine start-up excluded), and th
 measures each, one engine per (method, scheme), on the same prompts and seeds. `--gumbel-draft-temperature`
 measures the Gumbel rows' proposal rule (`sampling.sample_draft`): the output is the same for every value (the
 scheme is drafter-invariant), only τ moves. `--paired` (DSpark) replaces the speculative runs by one plain decoding
-per prompt and replays both schemes on its sequences (`spec_decode/replay.py`): Gumbel τ exactly, rejection τ paired
+per prompt and replays both schemes on its sequences (`bench/replay.py`): Gumbel τ exactly, rejection τ paired
 with it, so their ratio is not lost in the sequences' sampling noise.
 """
 
@@ -105,12 +105,12 @@ def run_method(llm, prompts: list[list[int]], temperature: float, max_tokens: in
 def run_paired(llm, drafter, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int,
                draft_temps: list[float], reps: int) -> list[dict]:
     """Plain decoding of every prompt (Gumbel-max, seed = `seed` + index), then each scheme replayed on its sequences
-    (`spec_decode.replay`) -> a row for rejection and one per Gumbel draft temperature."""
+    (`bench.replay`) -> a row for rejection and one per Gumbel draft temperature."""
     import torch
 
+    from sparkspec.bench import replay
     from sparkspec.ops.sampling import SamplingTensors
     from sparkspec.sampling_params import SamplingParams
-    from sparkspec.spec_decode import replay
 
     counts = {s: [0, 0] for s in ["rejection", *draft_temps]}  # accepted drafts, verify steps
     gen, t0, k = torch.Generator().manual_seed(seed), time.perf_counter(), drafter.block_size
