@@ -27,18 +27,23 @@ class FakeClock:
         return self.now
 
 
-def run_loop(budget: VerificationBudget, clock: FakeClock, num_reqs: int, seconds, num_steps: int) -> list[int]:
+def run_loop(budget: VerificationBudget, clock: FakeClock, num_reqs: int, seconds, num_steps: int, tokens=None,
+             has_prompt=None) -> list[int]:
     """Drive the budget as `SpecPolicy` does: each step opens on the clock, verifies what the previous decision
     proposed, decides k; `seconds(step, verified, proposed)` is the step's wall time (the step index lets a test
-    decide which steps carry a prompt). -> k per step."""
+    decide which steps carry a prompt), `tokens(step, verified, proposed)` what it produced (told to the budget
+    where given), `has_prompt(step)` whether the engine tells it carries a prompt chunk. -> k per step."""
     ks, proposed = [], 0
     for n in range(num_steps):
         budget.step_boundary()
         verified = sum(budget.lengths([proposed] * num_reqs, [None] * num_reqs, num_reqs, num_reqs)) if proposed \
             else 0
-        k = budget.next_num_drafts(num_reqs, num_reqs)
-        budget.note_step(num_reqs, verified, k)
+        prompt = has_prompt is not None and has_prompt(n)
+        k = budget.next_num_drafts(num_reqs, num_reqs, num_reqs, prompt)
+        budget.note_step(num_reqs, verified, k, prompt)
         clock.now += seconds(n, verified > 0, k > 0)
+        if tokens is not None:
+            budget.note_tokens(tokens(n, verified > 0, k > 0))
         ks.append(k)
         proposed = k
     return ks
@@ -193,21 +198,15 @@ def test_prefill_burst_does_not_condemn_the_arm_first_probed_there(file_prompt_s
     clock = FakeClock()
     budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
     accepting(budget, 2)
-    R, ks, proposed = 256, [], 0
-    for n in range(120):
-        budget.step_boundary()
-        burst = n < 16
-        told = burst and not file_prompt_steps
-        k = budget.next_num_drafts(R, R, R, has_prompt=told)
-        budget.note_step(R, R * K if proposed else 0, k, has_prompt=told)
-        if burst:
-            seconds, tokens = (0.055, 296) if proposed else (0.048, 116)
-        else:
-            seconds, tokens = (0.025, 700) if proposed else (0.0059, R)
-        clock.now += seconds
-        budget.note_tokens(tokens)
-        ks.append(k)
-        proposed = k
+    R = 256
+
+    def cost(n, verified, proposed):  # -> (seconds, tokens): a burst step, a drafting step, a plain step
+        if n < 16:
+            return (0.055, 296) if verified else (0.048, 116)
+        return (0.025, 700) if verified else (0.0059, R)
+
+    ks = run_loop(budget, clock, R, lambda *a: cost(*a)[0], 120, tokens=lambda *a: cost(*a)[1],
+                  has_prompt=lambda n: n < 16 and not file_prompt_steps)
     drafting = sum(k > 0 for k in ks[40:]) / len(ks[40:])
     if file_prompt_steps:
         assert drafting > 0.5  # the defect this guards against, reproduced
