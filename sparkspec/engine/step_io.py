@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sparkspec.models.forward_batch import pinned_buffer
+
 
 def float_bits(values: list[float]) -> list[int]:
     """Floats shipped inside the int64 upload (read back with `.view(torch.float64)`)."""
@@ -47,23 +49,23 @@ class Download:
     def add(self, name: str, *tensors: torch.Tensor) -> None:
         self.pieces[name] = list(tensors)
 
+    def flat(self) -> torch.Tensor | None:
+        """Every piece, as float64, end to end on the device (None: nothing added)."""
+        parts = [t.double().flatten() for ts in self.pieces.values() for t in ts]
+        return torch.cat(parts) if parts else None
+
     def fetch(self) -> dict[str, list[list[float]]]:
         """The one copy (it waits for the device) -> name -> one host list per tensor added."""
-        flat = [t.double().flatten() for ts in self.pieces.values() for t in ts]
-        return self.unpack(torch.cat(flat).cpu().tolist() if flat else [])
+        flat = self.flat()
+        return self.unpack(flat.cpu().tolist() if flat is not None else [])
 
     def start(self) -> PendingFetch:
         """The same copy, started and not waited for: into a pinned host buffer on the device's stream (the
         device runs on; a later step may be launched first). `PendingFetch.wait` -> what `fetch` returns."""
-        flat = torch.cat([t.double().flatten() for ts in self.pieces.values() for t in ts])
+        flat = self.flat()
         if flat.device.type == "cpu":
             return PendingFetch(self, flat, None)
-        ring = _PINNED.setdefault(flat.device, [])  # two buffers in turn: at most two steps are in flight
-        if len(ring) < 2 or ring[0].numel() < flat.numel():
-            size = max(flat.numel(), 2 * (ring[0].numel() if ring else 1 << 12))
-            ring[:] = [torch.empty(size, dtype=torch.float64, pin_memory=True) for _ in range(2)]
-        ring.reverse()
-        host = ring[0][: flat.numel()]
+        host = pinned_buffer(flat.device, torch.float64, flat.numel())
         host.copy_(flat, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -77,9 +79,6 @@ class Download:
                 out[name].append(host[off : off + t.numel()])
                 off += t.numel()
         return out
-
-
-_PINNED: dict[torch.device, list[torch.Tensor]] = {}  # per device: two pinned buffers for `Download.start`
 
 
 class PendingFetch:

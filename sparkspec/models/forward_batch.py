@@ -158,23 +158,28 @@ def batch_from_flat(flat: torch.Tensor, parts: list[list[int]], cache: KVCache, 
     return batch, flat[off:]
 
 
-_STAGING: dict[torch.device, list[torch.Tensor]] = {}  # per device: two pinned host buffers, used in turn
+_PINNED: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # two pinned host buffers per use
+
+
+def pinned_buffer(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """A pinned host buffer of n elements for an asynchronous copy to or from `device`, from two that are kept
+    per (device, dtype) and handed out in turn (allocating pinned memory costs milliseconds). In turn is enough:
+    at most two steps are in flight, and a step's copies are done before the step two later asks (each step's
+    copy back is waited for by then)."""
+    ring = _PINNED.setdefault((device, dtype), [])
+    if len(ring) < 2 or ring[0].numel() < n:
+        size = max(n, 2 * (ring[0].numel() if ring else 1 << 14))
+        ring[:] = [torch.empty(size, dtype=dtype, pin_memory=True) for _ in range(2)]
+    ring.reverse()
+    return ring[0][:n]
 
 
 def to_device(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
-    """The one host->device copy of a step, asynchronous from a pinned buffer that is kept (allocating pinned
-    memory costs milliseconds). Two buffers alternate: a step's copy is done by the time the step after the
-    next packs (every step ends with its device->host copy)."""
+    """The one host->device copy of a step, asynchronous from a kept pinned buffer (`pinned_buffer`)."""
     flat = torch.as_tensor(values, dtype=torch.long)
     if device.type == "cpu":
         return flat
-    ring = _STAGING.setdefault(device, [])
-    n = flat.numel()
-    if len(ring) < 2 or ring[0].numel() < n:
-        size = max(n, 2 * (ring[0].numel() if ring else 1 << 14))
-        ring[:] = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
-    ring.reverse()
-    staging = ring[0][:n]
+    staging = pinned_buffer(device, torch.long, flat.numel())
     staging.copy_(flat)
     return staging.to(device, non_blocking=True)
 
