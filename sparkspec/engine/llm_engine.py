@@ -236,19 +236,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> free -> emit.
 
-        Async scheduling (on by default where graphs are captured): while every running request decodes plainly
-        (no prompt waiting or chunking, no logprobs, grammar or drafts to verify, and, with a drafter, the budget
-        proposes none for the step: its plain arm), a step schedules
-        and launches the next decode step BEFORE it reads the one on the device, then commits and emits that one
-        while the device runs the next. The host's per-request work (commit, stop checks, emit, scheduling,
-        packing) then hides behind the device instead of adding to it. What makes it exact: a request's token
-        in flight is counted by `Sequence.num_inflight` (the scheduler sees the pending token, the upload its
-        position), the launched step reads it on the device (`ModelRunner.launch`), and a row of a request that
-        the step in flight finished (EOS, a stop string, an abort) is computed and dropped: its result is never
-        committed, its rows past the request's end are never read. A request that is at its last token, a prompt
-        that waits, or any step `launch` cannot take ends the overlap: the step in flight is read first, and the
-        engine steps in turn until the batch is plain decoding again. The tokens are those of the synchronous
-        engine (tests/test_async_scheduling.py); outputs come one step later."""
+        Async scheduling (on by default where graphs are captured): while every running request decodes plainly (no
+        prompt waiting or chunking, no logprobs, grammar or drafts to verify, and, with a drafter, the budget
+        proposes none for the step: its plain arm), a step schedules and launches the next decode step BEFORE it
+        reads the one on the device, then commits and emits that one while the device runs the next. The host's
+        per-request work (commit, stop checks, emit, scheduling, packing) then hides behind the device instead of
+        adding to it. What makes it exact: a request's token in flight is counted by `Sequence.num_inflight` (the
+        scheduler sees the pending token, the upload its position), the launched step reads it on the device
+        (`ModelRunner.launch`), and a row of a request that the step in flight finished (EOS, a stop string, an
+        abort) is computed and dropped: its result is never committed, its rows past the request's end are never
+        read. A request that is at its last token, a prompt that waits, or any step `launch` cannot take ends the
+        overlap: the step in flight is read first, and the engine steps in turn until the batch is plain decoding
+        again. The tokens are those of the synchronous engine (tests/test_async_scheduling.py); outputs come one
+        step later."""
         if self._inflight is not None and not self.can_overlap():
             return self.finish_inflight()
         sched = self.scheduler.schedule()
