@@ -112,8 +112,10 @@ def test_rollback_across_compression_boundary(model, ids, keep):
 @pytest.mark.parametrize("tap_layers", [(0,), (1,), (1, 2), (0, 3)])
 def test_taps_are_layer_outputs_averaged_over_hc_streams(model, ids, tap_layers):
     seen = {}
-    hooks = [model.layers[i].register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out))
-             for i in tap_layers]
+    def keep(i, out):  # a layer followed by another returns (streams, that layer's attention pre)
+        seen[i] = out[0] if isinstance(out, tuple) else out
+
+    hooks = [model.layers[i].register_forward_hook(lambda m, a, out, i=i: keep(i, out)) for i in tap_layers]
     try:
         out = run_full(model, ids[:20], tap_layers=tap_layers)
     finally:

@@ -298,8 +298,8 @@ def test_emit_entries_preconditions_are_messages():
 
 # --------------------------------------------------------------------------------------- dispatch
 
-@pytest.mark.parametrize("name", ["sparse_attention", "mhc_pre", "mhc_post", "hc_head", "rope", "rms_norm",
-                                  "store_states", "emit_entries", "indexer_topk"])
+@pytest.mark.parametrize("name", ["sparse_attention", "mhc_pre", "mhc_post", "mhc_post_pre", "hc_head", "rope",
+                                  "rms_norm", "store_states", "emit_entries", "indexer_topk"])
 def test_registered_for_every_accelerator(name):
     for platform in ("cuda", "rocm", "xpu"):
         assert (platform, name) in _ACCEL, f"{name} has no Triton version for {platform}"

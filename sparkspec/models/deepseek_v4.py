@@ -351,12 +351,26 @@ class Block(nn.Module):
                            getattr(self, f"hc_{part}_base"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
                            fp32_weight(norm), norm.eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, attn_fn) -> torch.Tensor:
-        """x: [T, n, H] streams; `attn_fn(normed [T, H]) -> [T, H]` runs this layer's attention."""
-        h, post, comb = self.hc_pre(x, "attn")
-        x = ops.mhc_post(attn_fn(h), x, post, comb)
-        h, post, comb = self.hc_pre(x, "ffn")
-        return ops.mhc_post(self.ffn(h, input_ids), x, post, comb)
+    def hc_post_pre(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, part: str):
+        """The previous sublayer's mHC post (its output y, its input streams x, post, comb), then this block's `part`
+        pre on the new streams, as one op (`ops.mhc_post_pre`: one launch fewer) -> (streams, input, post, comb)."""
+        c, norm = self.cfg, getattr(self, f"{part}_norm")
+        return ops.mhc_post_pre(y, x, post, comb, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
+                                getattr(self, f"hc_{part}_base"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+                                fp32_weight(norm), norm.eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, attn_fn,
+                pre: tuple | None = None, next_layer: Block | None = None):
+        """x: [T, n, H] streams; `attn_fn(normed [T, H]) -> [T, H]` runs this layer's attention -> the output streams.
+        `pre`: this layer's attention pre of x (input, post, comb) where the layer before took it in its last op;
+        with `next_layer` this layer does so for that layer -> (output streams, the next layer's pre)."""
+        h, post, comb = self.hc_pre(x, "attn") if pre is None else pre
+        x, h, post, comb = self.hc_post_pre(attn_fn(h), x, post, comb, "ffn")
+        y = self.ffn(h, input_ids)
+        if next_layer is None:
+            return ops.mhc_post(y, x, post, comb)
+        x, *next_pre = next_layer.hc_post_pre(y, x, post, comb, "attn")
+        return x, tuple(next_pre)
 
 
 @dataclass
@@ -402,9 +416,12 @@ class DeepseekV4Model(nn.Module):
     ) -> ModelOutput:
         x = self.embed(batch.input_ids)
         x = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, n, H]
-        taps = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, batch.positions, batch.input_ids, lambda h, a=layer.attn: a(h, batch))
+        taps, pre, layers = [], None, list(self.layers)
+        for i, layer in enumerate(layers):
+            # each layer's last mHC post and the next layer's first pre: one op (`Block.hc_post_pre`)
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            out = layer(x, batch.positions, batch.input_ids, lambda h, a=layer.attn: a(h, batch), pre, nxt)
+            x, pre = out if nxt is not None else (out, None)
             if i in tap_layers:
                 taps.append(x.float().mean(dim=1))
         hidden = self.collapse(x)

@@ -20,9 +20,9 @@ batch. In this mode (`set_batch_invariant(True)`, `EngineConfig.batch_invariant`
   `triton_kernels.rope._launch` (rms_norm / rope: rows per program) and `triton_kernels.mhc._mixes` (mhc_pre /
   hc_head: the split-K count, otherwise chosen from the token blocks).
 
-Per-row ops whose tiles depend on the feature width only (attention, indexer, compressor, mhc_post, torch
-softmax / argmax / topk) are invariant as they are. Not covered: torch reductions over the vocabulary in the
-sampler for T > 0 (top-p's sums): greedy tokens do not use them.
+Per-row ops whose tiles depend on the feature width only (attention, indexer, compressor, mhc_post, mhc_post_pre:
+its split count from H, torch softmax / argmax / topk) are invariant as they are. Not covered: torch reductions over
+the vocabulary in the sampler for T > 0 (top-p's sums): greedy tokens do not use them.
 
 The mode is process-wide: torch.library kernels and the op table are global. The PyTorch reference of the GEMM
 is `matmul_reference` (fp32 matmul, one rounding): the test oracle.

@@ -64,6 +64,32 @@ def mhc_post(
     return out
 
 
+@native("mhc_post_pre")
+def mhc_post_pre(
+    y: torch.Tensor,  # [T, H] sublayer output
+    x: torch.Tensor,  # [T, n, H] streams entering the sublayer
+    post: torch.Tensor,  # [T, n]
+    comb: torch.Tensor,  # [T, n, n]
+    fn: torch.Tensor,  # [M, n*H] the next sublayer's mixes
+    scale: torch.Tensor,  # [3]
+    base: torch.Tensor,  # [M]
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,  # [H]
+    norm_eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mhc_post` of one sublayer, then `mhc_pre` of the next on the new streams -> (streams [T, n, H] x.dtype,
+    layer_input [T, H], post [T, n], comb [T, n, n]). One op so that an accelerator can take the next sublayer's
+    split-K mixes from the streams while it writes them (one launch fewer per sublayer boundary). The native runs
+    `ops.mhc_post` and `ops.mhc_pre`, so that it is what they are wherever it runs (their compiled references in
+    training, their natives on a CPU)."""
+    from sparkspec.ops.registry import ops  # the pieces through the table: training's compiled references serve
+
+    streams = ops.mhc_post(y, x, post, comb)
+    return (streams, *ops.mhc_pre(streams, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight, norm_eps))
+
+
 @native("hc_head")
 def hc_head(
     x: torch.Tensor,  # [T, n, H]

@@ -8,6 +8,8 @@ mhc_pre / hc_head run in two launches:
   2. a finish kernel, grid (token blocks, H chunks): sums the partials in a fixed order (deterministic),
      applies the weight-free RMS, the sigmoids and the n×n Sinkhorn in registers (recomputed per H chunk:
      a few hundred flops per token), and collapses its H chunk of the streams.
+mhc_post_pre (a sublayer's post, then the next sublayer's pre) runs in two: `_mhc_post_mix_kernel` writes the new
+streams and, from the rounded values it stores, the split-K partials of step 1 (one split per H chunk); then 2.
 """
 
 from __future__ import annotations
@@ -269,6 +271,66 @@ def _mhc_post_kernel(
              mask=i_ok[:, None] & h_ok[None, :])
 
 
+@triton.jit
+def _mhc_post_mix_kernel(
+    y_ptr,  # [T, H] (row stride stride_yt, unit inner stride)
+    x_ptr,  # [T, n, H] contiguous: the streams entering the sublayer
+    post_ptr,  # [T, n] fp32 contiguous
+    comb_ptr,  # [T, n, n] fp32 contiguous
+    fn_ptr,  # [M, n·H] fp32 (row stride stride_fm): the next sublayer's mixes
+    out_ptr,  # [T, n, H] x.dtype: the new streams
+    part_ptr,  # [SPLIT, T, BLOCK_M] fp32 partial mixes of the rounded new streams (split = H chunk)
+    sumsq_ptr,  # [SPLIT, T] fp32 partial Σ of their squares
+    num_tokens,
+    num_streams,
+    hidden,
+    num_mix,
+    stride_yt,
+    stride_fm,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
+    NP: tl.constexpr,
+):
+    """`_mhc_post_kernel` over a (token block, H chunk) tile, and the next mhc_pre's split-K pass on the streams it
+    writes: split s holds columns j·H + s·BLOCK_HD .. of every stream j (the rounded values, as mhc_pre reads them),
+    so the finish launch follows with no `_mix_partial_kernel` between."""
+    split = tl.program_id(1)
+    n = num_streams
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < num_tokens
+    t64 = toks.to(tl.int64)
+    hs = split * BLOCK_HD + tl.arange(0, BLOCK_HD)
+    h_ok = hs < hidden
+    i = tl.arange(0, NP)
+    i_ok = i < n
+    mixes = tl.arange(0, BLOCK_M)
+    x = tl.load(x_ptr + t64[:, None, None] * n * hidden + i[None, :, None] * hidden + hs[None, None, :],
+                mask=tok_ok[:, None, None] & i_ok[None, :, None] & h_ok[None, None, :],
+                other=0.0).to(tl.float32)  # [BLOCK_T, NP(i), BLOCK_HD]
+    y = tl.load(y_ptr + t64[:, None] * stride_yt + hs[None, :], mask=tok_ok[:, None] & h_ok[None, :],
+                other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_HD]
+    acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for j in tl.static_range(NP):  # output stream j
+        j_ok = (tl.zeros([1], dtype=tl.int32) + j) < n  # [1]: a mask, compiled or interpreted
+        post_j = tl.load(post_ptr + t64 * n + j, mask=tok_ok & j_ok, other=0.0)  # [BLOCK_T]
+        comb_j = tl.load(comb_ptr + t64[:, None] * n * n + i[None, :] * n + j,
+                         mask=tok_ok[:, None] & i_ok[None, :] & j_ok, other=0.0)  # [BLOCK_T, NP(i)]
+        s = post_j[:, None] * y + tl.sum(comb_j[:, :, None] * x, axis=1)  # [BLOCK_T, BLOCK_HD]
+        s = s.to(out_ptr.dtype.element_ty)
+        ok = tok_ok[:, None] & h_ok[None, :] & j_ok
+        tl.store(out_ptr + t64[:, None] * n * hidden + j * hidden + hs[None, :], s, mask=ok)
+        r = tl.where(ok, s.to(tl.float32), 0.0)
+        w = tl.load(fn_ptr + mixes[:, None] * stride_fm + j * hidden + hs[None, :],
+                    mask=(mixes[:, None] < num_mix) & h_ok[None, :] & j_ok, other=0.0)  # [BLOCK_M, BLOCK_HD]
+        acc = tl.dot(r, tl.trans(w), acc, input_precision="ieee")
+        sumsq += tl.sum(r * r, axis=1)
+    row = split.to(tl.int64) * num_tokens + toks
+    tl.store(part_ptr + row[:, None] * BLOCK_M + mixes[None, :], acc, mask=tok_ok[:, None])
+    tl.store(sumsq_ptr + row, sumsq, mask=tok_ok)
+
+
 _MIX_BLOCK_T = 16  # tokens per split-K program (tl.dot needs >= 16)
 _FINISH_BLOCK_T = 8  # tokens per finish program
 
@@ -336,12 +398,21 @@ def mhc_pre(
     comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
     if T == 0:
         return out, post, comb
+    part, sumsq, splits, block_m = _mixes(x, fn.float().contiguous())
+    _pre_finish(x, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight, norm_eps,
+                out, post, comb)
+    return out, post, comb
+
+
+def _pre_finish(x, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight,
+                norm_eps, out, post, comb) -> None:
+    """mhc_pre's finish launch over the split-K partials of x (checked, contiguous; T > 0): out, post, comb."""
+    T, n, H = x.shape
     norm = norm_weight is not None
     if norm:
         check(norm_weight.numel() == H and norm_eps is not None,
               f"mhc_pre: norm_weight must have {H} entries and come with norm_eps, got {norm_weight.numel()}")
         norm_weight = norm_weight.contiguous()
-    part, sumsq, splits, block_m = _mixes(x, fn.float().contiguous())
     grid, block_hd = _finish_grid(x)
     grid = (grid[0], 1) if norm else grid
     _mhc_pre_finish_kernel[grid](
@@ -350,7 +421,6 @@ def mhc_pre(
         float(norm_eps or 0.0), BLOCK_T=_FINISH_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n),
         NORM=norm, num_warps=4,
     )
-    return out, post, comb
 
 
 @accelerated("hc_head", "cuda", "rocm", "xpu")
@@ -405,3 +475,64 @@ def mhc_post(
         NP=next_pow2(n), BLOCK_HD=block_hd, num_warps=4,
     )
     return out
+
+
+_POST_MIX_BLOCK_T = 16  # tokens per program of the fused post + split-K launch (tl.dot needs >= 16)
+
+
+def _check_post(name: str, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
+    check(x.dim() == 3, f"{name}: x must be [T, n, H], got {tuple(x.shape)}")
+    T, n, H = x.shape
+    check(tuple(y.shape) == (T, H), f"{name}: y must be [{T}, {H}], got {tuple(y.shape)}")
+    check(tuple(post.shape) == (T, n), f"{name}: post must be [{T}, {n}], got {tuple(post.shape)}")
+    check(tuple(comb.shape) == (T, n, n), f"{name}: comb must be [{T}, {n}, {n}], got {tuple(comb.shape)}")
+    check(same_device(y, x, post, comb), f"{name}: all tensors must share a device")
+
+
+@accelerated("mhc_post_pre", "cuda", "rocm", "xpu")
+def mhc_post_pre(
+    y: torch.Tensor,  # [T, H]
+    x: torch.Tensor,  # [T, n, H]
+    post: torch.Tensor,  # [T, n]
+    comb: torch.Tensor,  # [T, n, n]
+    fn: torch.Tensor,  # [M, n*H]
+    scale: torch.Tensor,  # [3]
+    base: torch.Tensor,  # [M]
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,  # [H]
+    norm_eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of `ops.mhc.mhc_post_pre` in two launches instead of three: the stream update writes the next
+    mhc_pre's split-K partials too (one split per H chunk: a count fixed by H, so batch-invariant as it is), then
+    mhc_pre's finish launch -> (streams [T, n, H] x.dtype, layer_input [T, H], post [T, n], comb [T, n, n])."""
+    _check_post("mhc_post_pre", y, x, post, comb)
+    n = x.shape[1]
+    _check_mix("mhc_post_pre", x, fn, base, (2 + n) * n)
+    check(scale.numel() == 3, f"mhc_post_pre: scale must have 3 entries (pre, post, comb), got {scale.numel()}")
+    check(sinkhorn_iters >= 1, f"mhc_post_pre: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    T, n, H = x.shape
+    streams = torch.empty((T, n, H), dtype=x.dtype, device=x.device)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    post_next = torch.empty((T, n), dtype=torch.float32, device=x.device)
+    comb_next = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return streams, out, post_next, comb_next
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    x, post, comb = x.contiguous(), post.float().contiguous(), comb.float().contiguous()
+    fn = fn.float()
+    fn = fn if fn.stride(-1) == 1 else fn.contiguous()
+    num_mix = fn.shape[0]
+    block_m = max(next_pow2(num_mix), 16)
+    block_hd = min(32 if on_interpreter(x) else 64, max(next_pow2(H), 16))
+    splits = triton.cdiv(H, block_hd)
+    part = torch.empty((splits, T, block_m), dtype=torch.float32, device=x.device)
+    sumsq = torch.empty((splits, T), dtype=torch.float32, device=x.device)
+    _mhc_post_mix_kernel[(triton.cdiv(T, _POST_MIX_BLOCK_T), splits)](
+        y, x, post, comb, fn, streams, part, sumsq, T, n, H, num_mix, y.stride(0), fn.stride(0),
+        BLOCK_T=_POST_MIX_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n), num_warps=4,
+    )
+    _pre_finish(streams, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight,
+                norm_eps, out, post_next, comb_next)
+    return streams, out, post_next, comb_next

@@ -1,0 +1,103 @@
+"""The mHC post of one sublayer and the next sublayer's mhc_pre split-K pass in one launch
+(`triton_kernels.mhc.mhc_post_pre`) against the native `mhc_post` then `mhc_pre` (the oracle). Under
+TRITON_INTERPRET=1 on a CPU (SPARKSPEC_TEST_DEVICE=cuda: compiled)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import DEVICE
+
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process
+
+try:
+    import triton.language as tl
+
+    if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
+    from sparkspec.ops.triton_kernels import mhc as tri_mhc
+except ImportError as exc:
+    pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
+
+from sparkspec.ops import mhc, rope  # noqa: E402
+
+
+def _inputs(T: int, n: int, H: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0, dt=torch.float32):
+        return (torch.randn(*shape, generator=g) * scale).to(device=DEVICE, dtype=dt)
+
+    y, x = randn(T, H, dt=dtype), randn(T, n, H, dt=dtype)
+    post = randn(T, n).sigmoid() * 2
+    comb = torch.softmax(randn(T, n, n), dim=-1)
+    M = (2 + n) * n
+    fn, base = randn(M, n * H, scale=0.05), randn(M, scale=0.5)
+    scale = randn(3, scale=0.3).abs() + 0.5
+    norm_weight = randn(H, scale=0.1) + 1.0
+    return y, x, post, comb, fn, scale, base, norm_weight
+
+
+def _ulps(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Worst error in bf16 ulps of |expected| (at least the ulp at 1/4: sums of ±terms cancel)."""
+    ulp = torch.exp2(torch.floor(torch.log2(expected.abs().clamp(min=0.25))) - 7)
+    return ((actual.float() - expected.float()).abs() / ulp).max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,n,H,norm", [(1, 4, 96, True), (19, 4, 80, False), (5, 3, 64, True), (17, 4, 100, True)])
+def test_post_pre_is_post_then_pre(T, n, H, norm, dtype):
+    """Streams as `mhc_post`; layer input, post and comb as `mhc_pre` of the streams the launch wrote (the rounded
+    ones: the next sublayer reads those). H not a multiple of the chunk, T not of the token block, n < NP."""
+    y, x, post, comb, fn, scale, base, w = _inputs(T, n, H, dtype, seed=T + H)
+    nw, ne = (w, 1e-6) if norm else (None, None)
+    streams, h, post2, comb2 = tri_mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, nw, ne)
+    assert streams.dtype == h.dtype == dtype and post2.dtype == comb2.dtype == torch.float32
+    want_streams = mhc.mhc_post(y.float(), x.float(), post, comb)
+    assert _ulps(streams, want_streams) <= 1.0
+    want_h, want_post, want_comb = mhc.mhc_pre(streams.float(), fn, scale, base, 1e-6, 1e-6, 20)
+    if norm:  # the norm of the layer input rounded to the streams' dtype (what the sublayer's norm read)
+        want_h = rope.rms_norm(want_h.to(dtype).float(), w, 1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(streams, want_streams, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(h, want_h, rtol=2e-5, atol=2e-5)
+    elif norm:  # an ulp of the rounding before the norm, scaled by the norm, then one more rounding
+        torch.testing.assert_close(h.float(), want_h, rtol=2 ** -6, atol=1e-3)
+    else:
+        assert _ulps(h, want_h) <= 1.0
+    unfused = tri_mhc.mhc_pre(streams, fn, scale, base, 1e-6, 1e-6, 20, nw, ne)[0]  # only the sum order differs
+    assert _ulps(h, unfused) <= 1.0
+    torch.testing.assert_close(post2, want_post, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(comb2, want_comb, rtol=1e-5, atol=1e-5)
+
+
+def test_native_is_post_then_pre():
+    """The oracle itself: the native op is literally mhc_post, then mhc_pre on its streams."""
+    y, x, post, comb, fn, scale, base, w = _inputs(3, 4, 32, torch.float32, seed=1)
+    got = mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 5, w, 1e-6)
+    streams = mhc.mhc_post(y, x, post, comb)
+    want = (streams, *mhc.mhc_pre(streams, fn, scale, base, 1e-6, 1e-6, 5, w, 1e-6))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """A token's outputs are the same alone as among 37 others (the split count is fixed by H)."""
+    args = _inputs(37, 4, 96, torch.bfloat16, seed=3)
+    y, x, post, comb, fn, scale, base, w = args
+    full = tri_mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+    one = tri_mhc.mhc_post_pre(y[20:21], x[20:21], post[20:21], comb[20:21], fn, scale, base, 1e-6, 1e-6, 20, w,
+                               1e-6)
+    for a, b in zip(full, one):
+        assert torch.equal(a[20:21], b)
+
+
+def test_preconditions_are_messages():
+    y, x, post, comb, fn, scale, base, _ = _inputs(2, 4, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match=r"y must be \[2, 8\]"):
+        tri_mhc.mhc_post_pre(y[:, :4], x, post, comb, fn, scale, base, 1e-6, 1e-6, 3)
+    with pytest.raises(ValueError, match=r"fn must be \[24, 32\]"):
+        tri_mhc.mhc_post_pre(y, x, post, comb, fn[:, :8], scale, base, 1e-6, 1e-6, 3)
