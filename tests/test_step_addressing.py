@@ -51,3 +51,29 @@ def test_chosen_rows_equal_paged_attention_indices(block_size, ratio):
                       entry_table(tables, block_size, ratio, C), req, topk)
     want = _paged_attention_indices_native(positions, req, tables, block_size, window, ratio, topk, C)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("block_size,ratio", [(8, 4), (4, 8), (8, 128)])
+def test_batch_pieces_equal_paged_attention_indices(block_size, ratio):
+    """The model's lists from the batch's memoised pieces (window rows shared by every ratio, the visible entries of
+    a heavily compressed layer, the CSA choice) = `paged_attention_indices` of the same step."""
+    from types import SimpleNamespace
+
+    from sparkspec.models.forward_batch import ForwardBatch
+
+    tables = torch.cat([TABLES, TABLES + 8], dim=1)
+    positions = torch.tensor([4, 5, 17, 22, 23, 30], device=DEVICE)
+    req = torch.tensor([0, 0, 1, 1, 1, 0], device=DEVICE)
+    max_seq_len = tables.shape[1] * block_size
+    batch = ForwardBatch(positions, positions, req, torch.tensor([0, 6], device=DEVICE), torch.tensor([31, 24]),
+                         tables, None, {}, SimpleNamespace(block_size=block_size), max_seq_len)
+    window, C = 6, max_seq_len // ratio
+    sliding = _paged_attention_indices_native(positions, req, tables, block_size, window, 1, None, 0)
+    assert torch.equal(batch.sliding_rows(window, 1), sliding)
+    hca = torch.cat([batch.sliding_rows(window, ratio), batch.visible_entry_rows(ratio)], dim=1)
+    assert torch.equal(hca, _paged_attention_indices_native(positions, req, tables, block_size, window, ratio, None,
+                                                            C))
+    topk = torch.randint(-1, C, (6, 5), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    csa = chosen_rows(batch.sliding_rows(window, ratio), batch.entry_table(ratio), req, topk)
+    assert torch.equal(csa, _paged_attention_indices_native(positions, req, tables, block_size, window, ratio, topk,
+                                                            C))

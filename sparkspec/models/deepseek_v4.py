@@ -214,7 +214,7 @@ class Attention(nn.Module):
         """x [T, H] -> [T, H]. Stores this step's rows of every cache kind, emits the compressed entries the
         step's positions close, then attends over the pools through one index list per query. Addressing that
         only depends on the ratio is computed once per forward and shared by the layers (`batch.memo`)."""
-        pos, req, r = batch.positions, batch.req_idx, self.ratio
+        pos, r = batch.positions, self.ratio
         pools = batch.cache.layers[self.layer_id]
         rot = self.rotary.rotations(batch, "tokens", lambda: pos)
         q, _, iq, iw = self.project_qkv(x, pos, rot, pools["attn"], batch.token_rows(r))  # kv -> its cache rows
@@ -229,12 +229,12 @@ class Attention(nn.Module):
         if (ix := self.indexer) is not None:
             ix.compressor.store_states(pools["idx_kv"], pools["idx_score"], index_states, batch)
             ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan, entry_rot, pools["idx_keys"], plan.key_rows)
-            keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed)[req])]
-            topk = ops.indexer_topk(iq, iw, keys, None, batch.memo(("visible", r), lambda: (pos + 1) // r), ix.topk,
-                                    ix.head_dim ** -0.5, ix.n_heads ** -0.5)
-            indices = self.indices(batch, topk, num_compressed)
+            keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed))]
+            topk = ops.indexer_topk(iq, iw, keys, None, batch.visible(r), ix.topk, ix.head_dim ** -0.5,
+                                    ix.n_heads ** -0.5)
+            indices = self.indices(batch, topk)
         else:  # sliding and heavily compressed layers: the same lists for every layer of the ratio
-            indices = batch.memo(("indices", r), lambda: self.indices(batch, None, num_compressed))
+            indices = batch.memo(("indices", r), lambda: self.indices(batch, None))
         o = ops.sparse_attention(q, pools["attn"], indices, self.attn_sink, self.scale)
         return self.project_out(o, pos, rot)
 
@@ -248,22 +248,23 @@ class Attention(nn.Module):
         w = 2 * self.compressor.wkv.weight.shape[0]
         return states[:, :w], (states[:, w:] if self.indexer is not None else None)
 
-    def indices(self, batch: ForwardBatch, topk: torch.Tensor | None, num_compressed: int) -> torch.Tensor:
-        if topk is not None:  # CSA: the window and entry rows are per step, this layer's choice one gather
-            return chosen_rows(batch.sliding_rows(self.window, self.ratio), batch.entry_table(self.ratio),
-                               batch.req_idx, topk)
-        return ops.paged_attention_indices(batch.positions, batch.req_idx, batch.block_tables, batch.block_size,
-                                           self.window, self.ratio, topk, num_compressed)
+    def indices(self, batch: ForwardBatch, topk: torch.Tensor | None) -> torch.Tensor:
+        """`ops.paged_attention_indices` from the step's pieces (`batch`: the window rows shared by every ratio, the
+        entry tables by every layer of one): CSA lists are the window and this layer's choice (one op)."""
+        window = batch.sliding_rows(self.window, self.ratio)
+        if topk is not None:
+            return chosen_rows(window, batch.entry_table(self.ratio), batch.req_idx, topk)
+        if self.ratio <= 1:
+            return window
+        return torch.cat([window, batch.visible_entry_rows(self.ratio)], dim=1)  # HCA: every visible entry
 
     def key_rows(self, batch: ForwardBatch, num_compressed: int) -> torch.Tensor:
-        """[R, C] `idx_keys` rows of every entry any request of the batch may have (pads: rows of a real block or
-        of the scratch block, never chosen: the indexer masks j >= what the query sees). The caller takes each
-        query's row of it, so that a layer gathers its keys once, per query."""
-        j = torch.arange(num_compressed, device=batch.positions.device)
-        reqs = torch.arange(batch.num_reqs, device=j.device).unsqueeze(1)
-        rows = batch.entry_rows(j.expand(batch.num_reqs, -1), reqs, self.ratio,
+        """[T, C] `idx_keys` rows of every entry j < C of each query's request (pads: rows of a real block or of the
+        scratch block, never chosen: the indexer masks j >= what the query sees), so that a layer gathers its keys
+        once, per query."""
+        j = torch.arange(num_compressed, device=batch.positions.device).unsqueeze(0)  # [1, C]
+        return batch.entry_rows(j, batch.req_idx.unsqueeze(1), self.ratio,
                                 entries_per_block(batch.block_size, self.ratio), 0)
-        return rows.clamp(min=0)
 
 
 def store(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:

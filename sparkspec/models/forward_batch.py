@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from sparkspec.models.cache import KVCache, entries_per_block
-from sparkspec.ops.indices import entry_table, pool_rows, sliding_rows
+from sparkspec.ops.indices import entry_table, pool_rows, window_positions
 
 
 @dataclass
@@ -41,14 +41,15 @@ class ForwardBatch:
         return self.cache.block_size
 
     # ---- pool addressing (memoised per forward: every layer of one ratio shares them) ----
-    def rows_of(self, positions: torch.Tensor, req: torch.Tensor, rows_per_block: int) -> torch.Tensor:
-        """Pool rows of raw positions [*] of requests req [*] (-1 where position < 0)."""
-        return pool_rows(self.block_tables, req, positions, self.block_size, rows_per_block)
+    def rows_of(self, positions: torch.Tensor, req: torch.Tensor, rows_per_block: int, fill: int = -1
+                ) -> torch.Tensor:
+        """Pool rows of raw positions [*] of requests req [*] (`fill` where position < 0)."""
+        return pool_rows(self.block_tables, req, positions, self.block_size, rows_per_block, fill=fill)
 
     def entry_rows(self, entries: torch.Tensor, req: torch.Tensor, ratio: int, rows_per_block: int,
-                   first_row: int) -> torch.Tensor:
-        """Pool rows of compressed entries [*] of requests req [*] (-1 where entry < 0)."""
-        return pool_rows(self.block_tables, req, entries, self.block_size, rows_per_block, first_row, ratio)
+                   first_row: int, fill: int = -1) -> torch.Tensor:
+        """Pool rows of compressed entries [*] of requests req [*] (`fill` where entry < 0)."""
+        return pool_rows(self.block_tables, req, entries, self.block_size, rows_per_block, first_row, ratio, fill)
 
     def memo(self, key, fn):
         if key not in self._memo:
@@ -76,10 +77,26 @@ class ForwardBatch:
         return torch.add(offset, blk, alpha=rows_per_block)
 
     def sliding_rows(self, window: int, ratio: int) -> torch.Tensor:
-        """[T, W] each query's sliding-window rows in a layer's `attn` pool."""
+        """[T, W] each query's sliding-window rows in a layer's `attn` pool (the window's positions shared by every
+        ratio: only the rows per block differ)."""
         e = entries_per_block(self.block_size, ratio)
-        return self.memo(("window", window, ratio), lambda: sliding_rows(
-            self.positions, self.req_idx, self.block_tables, self.block_size, window, self.block_size + e))
+        return self.memo(("window", window, ratio), lambda: self.rows_of(
+            self.memo(("window_positions", window), lambda: window_positions(self.positions, window)),
+            self.req_idx.unsqueeze(1), self.block_size + e))
+
+    def visible(self, ratio: int) -> torch.Tensor:
+        """[T] compressed entries each query sees, (pos + 1) // ratio."""
+        return self.memo(("visible", ratio), lambda: (self.positions + 1) // ratio)
+
+    def visible_entry_rows(self, ratio: int) -> torch.Tensor:
+        """[T, C] `attn`-pool rows of every entry j < C = max_seq_len // ratio that each query sees, -1 beyond (a
+        heavily compressed layer reads them all)."""
+        def rows():
+            j = torch.arange(self.max_seq_len // ratio, device=self.positions.device).unsqueeze(0)  # [1, C]
+            seen = torch.where(j < self.visible(ratio).unsqueeze(1), j, -1)
+            e = entries_per_block(self.block_size, ratio)
+            return self.entry_rows(seen, self.req_idx.unsqueeze(1), ratio, self.block_size + e, self.block_size)
+        return self.memo(("visible_rows", ratio), rows)
 
     def entry_table(self, ratio: int) -> torch.Tensor:
         """[R, C + 1] `attn`-pool rows of each request's compressed entries j < C = max_seq_len // ratio, then -1."""
@@ -107,13 +124,11 @@ class Emission:
         req = b.req_idx[emit.clamp(min=0)]
         entry_ids = torch.where(valid, (last + 1) // ratio - 1, -1)
         pos = last.unsqueeze(1) - span + 1 + torch.arange(span, device=last.device)  # [M, span]
-        rows = b.rows_of(pos, req.unsqueeze(1).expand_as(pos), b.block_size)
+        rows = b.rows_of(pos, req.unsqueeze(1), b.block_size, fill=0)
         e = entries_per_block(b.block_size, ratio)
-        attn = b.entry_rows(entry_ids, req, ratio, b.block_size + e, b.block_size)
-        keys = b.entry_rows(entry_ids, req, ratio, e, 0)
-        trash_attn, trash_keys = b.cache.trash_row(b.block_size + e), b.cache.trash_row(e)
-        return cls(last, entry_ids, rows.clamp(min=0), pos < 0, torch.where(attn >= 0, attn, trash_attn),
-                   torch.where(keys >= 0, keys, trash_keys))
+        attn = b.entry_rows(entry_ids, req, ratio, b.block_size + e, b.block_size, b.cache.trash_row(b.block_size + e))
+        keys = b.entry_rows(entry_ids, req, ratio, e, 0, b.cache.trash_row(e))
+        return cls(last, entry_ids, rows, pos < 0, attn, keys)
 
 
 def batch_parts(

@@ -40,9 +40,24 @@ def paged_attention_indices(
                                        num_compressed)
 
 
-def pool_rows(block_tables, req, positions, block_size, rows_per_block, first_row=0, ratio=1):
-    """Pool rows of raw positions (ratio 1) or of compressed entries (positions = entry ids), -1 where < 0.
-    A handful of integer kernels: one per step of the arithmetic that the ratio needs."""
+def pool_rows(block_tables, req, positions, block_size, rows_per_block, first_row=0, ratio=1, fill=-1):
+    """Pool rows of raw positions (ratio 1) or of compressed entries (positions = entry ids), `fill` where < 0
+    (-1; a caller that needs a valid row passes the trash row or 0). One op (`ops.pool_rows`): an accelerator takes
+    it in one launch, where the native takes one integer kernel per step of the arithmetic."""
+    return ops.pool_rows(block_tables, req, positions, block_size, rows_per_block, first_row, ratio, fill)
+
+
+@native("pool_rows")
+def _pool_rows_native(
+    block_tables: torch.Tensor,  # [R, max_blocks]
+    req: torch.Tensor,  # [*] request rows (broadcast with positions)
+    positions: torch.Tensor,  # [*]
+    block_size: int,
+    rows_per_block: int,
+    first_row: int = 0,
+    ratio: int = 1,
+    fill: int = -1,
+) -> torch.Tensor:
     p = positions.clamp(min=0)
     if block_size % ratio == 0:  # ratio 1, or several entries per block
         per_block = block_size // ratio
@@ -54,13 +69,18 @@ def pool_rows(block_tables, req, positions, block_size, rows_per_block, first_ro
         rows = blk * rows_per_block + first_row
     else:
         rows = torch.add(offset + first_row if first_row else offset, blk, alpha=rows_per_block)
-    return torch.where(positions >= 0, rows, -1)
+    return torch.where(positions >= 0, rows, fill)
+
+
+def window_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Positions pos - W + 1 .. pos of each query's causal sliding window, newest last -> [T, W] (< 0 before 0)."""
+    return positions.unsqueeze(1) - torch.arange(window - 1, -1, -1, device=positions.device)
 
 
 def sliding_rows(positions, req_idx, block_tables, block_size, window, rows_per_block) -> torch.Tensor:
     """Causal sliding window: rows of positions pos - W + 1 .. pos, newest last -> [T, W], -1 before 0."""
-    pos = positions.unsqueeze(1) - torch.arange(window - 1, -1, -1, device=positions.device)  # [T, W]
-    return pool_rows(block_tables, req_idx.unsqueeze(1), pos, block_size, rows_per_block)
+    return pool_rows(block_tables, req_idx.unsqueeze(1), window_positions(positions, window), block_size,
+                     rows_per_block)
 
 
 def entry_table(block_tables: torch.Tensor, block_size: int, ratio: int, num_compressed: int) -> torch.Tensor:
@@ -79,7 +99,13 @@ def chosen_rows(
     req_idx: torch.Tensor,  # [T]
     topk: torch.Tensor,  # [T, K] chosen entries j < C, -1 pads
 ) -> torch.Tensor:
-    """CSA index lists from per-step pieces -> [T, W + K]: `paged_attention_indices` with top-k, in two ops."""
+    """CSA index lists from per-step pieces -> [T, W + K]: `paged_attention_indices` with top-k, as one op (the
+    native gathers and concatenates; an accelerator writes the lists in one launch)."""
+    return ops.chosen_rows(window_rows, table, req_idx, topk)
+
+
+@native("chosen_rows")
+def _chosen_rows_native(window_rows, table, req_idx, topk):
     return torch.cat([window_rows, table[req_idx.unsqueeze(1), topk]], dim=1)
 
 

@@ -6,4 +6,4 @@ interpreter): pointers + masks, no block pointers, no autotune, every bf16 load 
 arithmetic and before `tl.dot`. The PyTorch natives in `sparkspec.ops.*` are the oracles.
 """
 
-from sparkspec.ops.triton_kernels import attention, compressor, mhc, moe_route, rope  # noqa: F401  (registers the kernels)
+from sparkspec.ops.triton_kernels import attention, compressor, indices, mhc, moe_route, rope  # noqa: F401  (registers)

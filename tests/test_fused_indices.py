@@ -1,0 +1,97 @@
+"""Per-step addressing in one launch (`triton_kernels.indices`: pool_rows, chosen_rows) against the natives in
+`ops.indices` (the oracles): the same integers. Under TRITON_INTERPRET=1 on a CPU (SPARKSPEC_TEST_DEVICE=cuda:
+compiled)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import DEVICE
+
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process
+
+try:
+    import triton.language as tl
+
+    if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
+    from sparkspec.ops.triton_kernels import indices as tri_idx
+except ImportError as exc:
+    pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
+
+from sparkspec.ops.indices import _chosen_rows_native, _pool_rows_native  # noqa: E402
+
+
+def _tables(R: int, width: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(4 * width, generator=g)[:width] for _ in range(R)]).to(DEVICE)
+
+
+@pytest.mark.parametrize("block_size,ratio,first_row,fill", [
+    (8, 1, 0, -1), (8, 4, 8, 17), (8, 8, 8, -1), (4, 8, 4, 0), (8, 128, 8, 5), (16, 4, 0, -1)])
+def test_pool_rows_equal_the_native(block_size, ratio, first_row, fill):
+    """2-D positions of both signs against a broadcast request column, at every ratio case of the native."""
+    R, width = 3, 6
+    tables = _tables(R, width, seed=block_size + ratio)
+    g = torch.Generator().manual_seed(ratio)
+    limit = width * block_size // ratio
+    pos = torch.randint(-5, limit, (R, 37), generator=g).to(DEVICE)
+    req = torch.arange(R, device=DEVICE).unsqueeze(1)  # [R, 1]: stride-0 broadcast
+    rpb = block_size + 3
+    got = tri_idx.pool_rows(tables, req, pos, block_size, rpb, first_row, ratio, fill)
+    want = _pool_rows_native(tables, req, pos, block_size, rpb, first_row, ratio, fill)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert (got[pos < 0] == fill).all() and (got[pos >= 0] >= first_row).all()
+
+
+@pytest.mark.parametrize("shape", ["1d", "row", "expand"])
+def test_pool_rows_shapes(shape):
+    """1-D lists, a [1, C] row against [R, 1] requests (-> [R, C]) and an expanded request tensor."""
+    tables = _tables(2, 4, seed=1)
+    if shape == "1d":
+        pos, req = torch.tensor([3, -1, 0, 31], device=DEVICE), torch.tensor([1, 0, 0, 1], device=DEVICE)
+    elif shape == "row":
+        pos, req = torch.arange(7, device=DEVICE).unsqueeze(0), torch.arange(2, device=DEVICE).unsqueeze(1)
+    else:
+        pos = torch.tensor([[5, -2, 9], [0, 1, 30]], device=DEVICE)
+        req = torch.tensor([1, 0], device=DEVICE).unsqueeze(1).expand_as(pos)
+    got = tri_idx.pool_rows(tables, req, pos, 8, 8)
+    assert torch.equal(got, _pool_rows_native(tables, req, pos, 8, 8))
+
+
+def test_pool_rows_fill_is_what_the_model_clamped_to():
+    """fill=0 / fill=trash equal the clamp and the where the emission plan applied before (valid rows are >= 0)."""
+    tables = _tables(2, 4, seed=2)
+    pos = torch.tensor([[-3, 0, 7], [12, -1, 2]], device=DEVICE)
+    req = torch.tensor([[0], [1]], device=DEVICE)
+    plain = _pool_rows_native(tables, req, pos, 8, 8)
+    assert torch.equal(tri_idx.pool_rows(tables, req, pos, 8, 8, fill=0), plain.clamp(min=0))
+    assert torch.equal(tri_idx.pool_rows(tables, req, pos, 8, 8, fill=99), torch.where(plain >= 0, plain, 99))
+
+
+@pytest.mark.parametrize("T,W,K,C", [(1, 128, 128, 140), (5, 8, 3, 4), (3, 6, 40, 1)])
+def test_chosen_rows_equal_the_native(T, W, K, C):
+    """Window rows then the chosen entries' table rows, -1 pads to the table's -1 column."""
+    g = torch.Generator().manual_seed(T + K)
+    R = 2
+    window = torch.randint(-1, 1000, (T, W), generator=g).to(DEVICE)
+    table = torch.cat([torch.randint(0, 1000, (R, C), generator=g), torch.full((R, 1), -1)], dim=1).to(DEVICE)
+    req = torch.randint(0, R, (T,), generator=g).to(DEVICE)
+    topk = torch.randint(-1, C, (T, K), generator=g).to(DEVICE)
+    got = tri_idx.chosen_rows(window, table, req, topk)
+    assert torch.equal(got, _chosen_rows_native(window, table, req, topk))
+
+
+def test_preconditions_are_messages():
+    tables = _tables(2, 4, seed=0)
+    with pytest.raises(ValueError, match="ratio 3 must divide"):
+        tri_idx.pool_rows(tables, torch.zeros(2, dtype=torch.long, device=DEVICE),
+                          torch.zeros(2, dtype=torch.long, device=DEVICE), 8, 8, 0, 3)
+    with pytest.raises(ValueError, match=r"topk must be \[2, K\]"):
+        tri_idx.chosen_rows(torch.zeros(2, 4, dtype=torch.long, device=DEVICE),
+                            torch.zeros(2, 3, dtype=torch.long, device=DEVICE),
+                            torch.zeros(2, dtype=torch.long, device=DEVICE),
+                            torch.zeros(3, 5, dtype=torch.long, device=DEVICE))
