@@ -101,3 +101,19 @@ def test_preconditions_are_messages():
         tri_mhc.mhc_post_pre(y[:, :4], x, post, comb, fn, scale, base, 1e-6, 1e-6, 3)
     with pytest.raises(ValueError, match=r"fn must be \[24, 32\]"):
         tri_mhc.mhc_post_pre(y, x, post, comb, fn[:, :8], scale, base, 1e-6, 1e-6, 3)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["mhc_pre", "mhc_post_pre"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_fp32_copy_is_the_layer_input_upcast(fused, norm):
+    """fp32_copy: one more output, exactly `layer_input.float()` (the router / compressor GEMMs read it instead of a
+    cast), and the other outputs unchanged; the native likewise."""
+    y, x, post, comb, fn, scale, base, w = _inputs(17, 4, 96, torch.bfloat16, seed=9)
+    nw, ne = (w, 1e-6) if norm else (None, None)
+    head = (y, x, post, comb) if fused else (x,)
+    for impl in (tri_mhc, mhc):
+        op = impl.mhc_post_pre if fused else impl.mhc_pre
+        plain = op(*head, fn, scale, base, 1e-6, 1e-6, 20, nw, ne)
+        *outs, h32 = op(*head, fn, scale, base, 1e-6, 1e-6, 20, nw, ne, True)
+        assert len(outs) == len(plain) and all(torch.equal(a, b) for a, b in zip(outs, plain))
+        assert h32.dtype == torch.float32 and torch.equal(h32, outs[-3].float())

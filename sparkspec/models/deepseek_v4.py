@@ -210,10 +210,11 @@ class Attention(nn.Module):
         return all_reduce(self.wo_b(z), self.tp)  # tensor parallel: each rank holds some heads' share
 
     # -- target forward over a flat batch --
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, H] -> [T, H]. Stores this step's rows of every cache kind, emits the compressed entries the
-        step's positions close, then attends over the pools through one index list per query. Addressing that
-        only depends on the ratio is computed once per forward and shared by the layers (`batch.memo`)."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, x_fp32: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] (x_fp32: the same in fp32, if the caller has it) -> [T, H]. Stores this step's rows of every cache
+        kind, emits the compressed entries the step's positions close, then attends over the pools through one index
+        list per query. Addressing that only depends on the ratio is computed once per forward and shared by the
+        layers (`batch.memo`)."""
         pos, r = batch.positions, self.ratio
         pools = batch.cache.layers[self.layer_id]
         rot = self.rotary.rotations(batch, "tokens", lambda: pos)
@@ -221,7 +222,7 @@ class Attention(nn.Module):
         topk, num_compressed = None, 0
         if self.compressor is not None:
             plan = batch.emission(r, 2 * r if self.compressor.overlap else r)
-            states, index_states = self.compressor_states(x)
+            states, index_states = self.compressor_states(x if x_fp32 is None else x_fp32)
             self.compressor.store_states(pools["comp_kv"], pools["comp_score"], states, batch)
             entry_rot = self.rotary.rotations(batch, ("entries", r), lambda: plan.last + 1 - r)
             self.compressor.emit(pools["comp_kv"], pools["comp_score"], plan, entry_rot, pools["attn"], plan.attn_rows)
@@ -239,8 +240,8 @@ class Attention(nn.Module):
         return self.project_out(o, pos, rot)
 
     def compressor_states(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [T, H] -> (kv, score) of the compressor [T, 2·c·d] and of the indexer's [T, 2·c·d'] (None without an
-        indexer): one fp32 GEMM for all of them."""
+        """x [T, H] (fp32 already, or cast here) -> (kv, score) of the compressor [T, 2·c·d] and of the indexer's
+        [T, 2·c·d'] (None without an indexer): one fp32 GEMM for all of them."""
         parts = [self.compressor.wkv, self.compressor.wgate]
         if self.indexer is not None:
             parts += [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
@@ -304,9 +305,10 @@ class MoE(nn.Module):
         self.tp: ParallelGroup | None = None  # set by `distributed.tensor_parallel.shard_`
         self.experts_held: tuple[int, int] | None = None  # expert parallel: (first expert id, count) held here
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, x_fp32: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] (x_fp32: the same in fp32, if the caller has it: the router's GEMM is fp32) -> [T, H]."""
         cfg = self.cfg
-        logits = F.linear(x.float(), fp32_weight(self.gate))
+        logits = F.linear(x.float() if x_fp32 is None else x_fp32, fp32_weight(self.gate))
         hash_ids = self.gate.tid2eid[input_ids] if self.is_hash else None
         weights, ids = ops.moe_route(logits, self.gate.bias, hash_ids, cfg.num_experts_per_tok, cfg.scoring_func,
                                      cfg.norm_topk_prob, cfg.routed_scaling_factor)
@@ -346,28 +348,36 @@ class Block(nn.Module):
             setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
 
     def hc_pre(self, x: torch.Tensor, part: str):
-        """-> (the sublayer's input, collapsed from the streams and normalised by its norm, post, comb)."""
+        """-> (the sublayer's input, collapsed from the streams and normalised by its norm, post, comb[, that input
+        in fp32 where the sublayer takes it so: `fp32_input`])."""
         c, norm = self.cfg, getattr(self, f"{part}_norm")
         return ops.mhc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
                            getattr(self, f"hc_{part}_base"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                           fp32_weight(norm), norm.eps)
+                           fp32_weight(norm), norm.eps, self.fp32_input(part))
 
     def hc_post_pre(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, part: str):
         """The previous sublayer's mHC post (its output y, its input streams x, post, comb), then this block's `part`
-        pre on the new streams, as one op (`ops.mhc_post_pre`: one launch fewer) -> (streams, input, post, comb)."""
+        pre on the new streams, as one op (`ops.mhc_post_pre`: one launch fewer) -> (streams, input, post, comb[,
+        input in fp32])."""
         c, norm = self.cfg, getattr(self, f"{part}_norm")
         return ops.mhc_post_pre(y, x, post, comb, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
                                 getattr(self, f"hc_{part}_base"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                                fp32_weight(norm), norm.eps)
+                                fp32_weight(norm), norm.eps, self.fp32_input(part))
+
+    def fp32_input(self, part: str) -> bool:
+        """Whether the sublayer also takes its input in fp32 (the router's GEMM; the compressor's): the mHC launch
+        that writes the input writes that copy too, instead of a cast per layer."""
+        return part == "ffn" or self.attn.compressor is not None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, attn_fn,
                 pre: tuple | None = None, next_layer: Block | None = None):
-        """x: [T, n, H] streams; `attn_fn(normed [T, H]) -> [T, H]` runs this layer's attention -> the output streams.
-        `pre`: this layer's attention pre of x (input, post, comb) where the layer before took it in its last op;
-        with `next_layer` this layer does so for that layer -> (output streams, the next layer's pre)."""
-        h, post, comb = self.hc_pre(x, "attn") if pre is None else pre
-        x, h, post, comb = self.hc_post_pre(attn_fn(h), x, post, comb, "ffn")
-        y = self.ffn(h, input_ids)
+        """x: [T, n, H] streams; `attn_fn(normed [T, H][, the same in fp32]) -> [T, H]` runs this layer's attention
+        (the fp32 copy where `fp32_input("attn")`) -> the output streams. `pre`: this layer's attention pre of x
+        where the layer before took it in its last op; with `next_layer` this layer does so for that layer ->
+        (output streams, the next layer's pre)."""
+        h, post, comb, *h32 = self.hc_pre(x, "attn") if pre is None else pre
+        x, h, post, comb, h32 = self.hc_post_pre(attn_fn(h, *h32), x, post, comb, "ffn")
+        y = self.ffn(h, input_ids, h32)
         if next_layer is None:
             return ops.mhc_post(y, x, post, comb)
         x, *next_pre = next_layer.hc_post_pre(y, x, post, comb, "attn")
@@ -421,7 +431,7 @@ class DeepseekV4Model(nn.Module):
         for i, layer in enumerate(layers):
             # each layer's last mHC post and the next layer's first pre: one op (`Block.hc_post_pre`)
             nxt = layers[i + 1] if i + 1 < len(layers) else None
-            out = layer(x, batch.positions, batch.input_ids, lambda h, a=layer.attn: a(h, batch), pre, nxt)
+            out = layer(x, batch.positions, batch.input_ids, lambda h, *h32, a=layer.attn: a(h, batch, *h32), pre, nxt)
             x, pre = out if nxt is not None else (out, None)
             if i in tap_layers:
                 taps.append(x.float().mean(dim=1))

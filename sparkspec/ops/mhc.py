@@ -22,13 +22,15 @@ def mhc_pre(
     sinkhorn_iters: int,
     norm_weight: torch.Tensor | None = None,  # [H] the sublayer's RMSNorm, applied to the layer input when given
     norm_eps: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fp32_copy: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Collapse the streams into one sublayer input.
 
     Returns (layer_input [T, H] in x.dtype, post [T, n] fp32, comb [T, n, n] fp32) where comb is made
     doubly stochastic by softmax + Sinkhorn (`sinkhorn_iters` normalisation passes in total). With `norm_weight`
     the layer input comes normalised: `rms_norm(layer_input, norm_weight, norm_eps)` of the rounded input (the
-    sublayer's norm taken in the same launch where a kernel is registered).
+    sublayer's norm taken in the same launch where a kernel is registered). `fp32_copy`: a fourth output,
+    `layer_input.float()`, for the sublayer's fp32 GEMMs (the router, the compressor), written by the same launch.
     """
     T, n, H = x.shape
     flat = _rms_noweight(x.reshape(T, n * H).float(), rms_eps)
@@ -48,7 +50,7 @@ def mhc_pre(
         from sparkspec.ops.rope import rms_norm
 
         layer_input = rms_norm(layer_input, norm_weight, norm_eps)
-    return layer_input, post, comb
+    return (layer_input, post, comb, layer_input.float()) if fp32_copy else (layer_input, post, comb)
 
 
 @native("mhc_post")
@@ -78,16 +80,19 @@ def mhc_post_pre(
     sinkhorn_iters: int,
     norm_weight: torch.Tensor | None = None,  # [H]
     norm_eps: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    fp32_copy: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """`mhc_post` of one sublayer, then `mhc_pre` of the next on the new streams -> (streams [T, n, H] x.dtype,
-    layer_input [T, H], post [T, n], comb [T, n, n]). One op so that an accelerator can take the next sublayer's
-    split-K mixes from the streams while it writes them (one launch fewer per sublayer boundary). The native runs
+    layer_input [T, H], post [T, n], comb [T, n, n] [, layer_input in fp32 with `fp32_copy`]). One op so that an
+    accelerator can take the next sublayer's split-K mixes from the streams while it writes them (one launch fewer
+    per sublayer boundary). The native runs
     `ops.mhc_post` and `ops.mhc_pre`, so that it is what they are wherever it runs (their compiled references in
     training, their natives on a CPU)."""
     from sparkspec.ops.registry import ops  # the pieces through the table: training's compiled references serve
 
     streams = ops.mhc_post(y, x, post, comb)
-    return (streams, *ops.mhc_pre(streams, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight, norm_eps))
+    return (streams, *ops.mhc_pre(streams, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight, norm_eps,
+                                  fp32_copy))
 
 
 @native("hc_head")

@@ -102,8 +102,8 @@ def _collapse_chunk(x_ptr, out_ptr, pre, toks, num_tokens, num_streams, hidden,
 
 
 @triton.jit
-def _collapse_norm(x_ptr, out_ptr, w_ptr, pre, toks, num_tokens, num_streams, hidden, eps,
-                   BLOCK_T: tl.constexpr, NP: tl.constexpr, BLOCK_HD: tl.constexpr):
+def _collapse_norm(x_ptr, out_ptr, out32_ptr, w_ptr, pre, toks, num_tokens, num_streams, hidden, eps,
+                   BLOCK_T: tl.constexpr, NP: tl.constexpr, BLOCK_HD: tl.constexpr, OUT32: tl.constexpr):
     """out[t] = rms_norm(round(Σ_i pre[t, i] · x[t, i])) · w over whole rows: a first pass over H sums the squares
     of the rounded collapse, a second recomputes it (x is re-read: n·H values a token) and stores it normalised."""
     streams = tl.arange(0, NP)
@@ -126,8 +126,11 @@ def _collapse_norm(x_ptr, out_ptr, w_ptr, pre, toks, num_tokens, num_streams, hi
                     + hs[None, None, :], mask=mask, other=0.0).to(tl.float32)
         y = tl.sum(pre[:, :, None] * x, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + hs, mask=h_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t64[:, None] * hidden + hs[None, :],
-                 (y * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & h_ok[None, :])
+        normed = (y * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t64[:, None] * hidden + hs[None, :], normed, mask=tok_ok[:, None] & h_ok[None, :])
+        if OUT32:  # the same rounded values in fp32: what `.float()` of the layer input gives
+            tl.store(out32_ptr + t64[:, None] * hidden + hs[None, :], normed.to(tl.float32),
+                     mask=tok_ok[:, None] & h_ok[None, :])
 
 
 @triton.jit
@@ -141,6 +144,7 @@ def _mhc_pre_finish_kernel(
     post_ptr,  # [T, n] fp32
     comb_ptr,  # [T, n, n] fp32
     norm_w_ptr,  # [H] the sublayer's RMSNorm weight (read only with NORM)
+    out32_ptr,  # [T, H] fp32 copy of the normalised layer input (written only with OUT32)
     num_tokens,
     num_streams,
     hidden,
@@ -154,6 +158,7 @@ def _mhc_pre_finish_kernel(
     BLOCK_HD: tl.constexpr,
     NP: tl.constexpr,
     NORM: tl.constexpr,  # one program per token block over all of H (grid (token blocks, 1))
+    OUT32: tl.constexpr,  # with NORM: also store the layer input in fp32
 ):
     n = num_streams
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -201,7 +206,8 @@ def _mhc_pre_finish_kernel(
              mask=(toks < num_owned)[:, None, None] & valid)
 
     if NORM:
-        _collapse_norm(x_ptr, out_ptr, norm_w_ptr, pre, toks, num_tokens, n, hidden, norm_eps, BLOCK_T, NP, BLOCK_HD)
+        _collapse_norm(x_ptr, out_ptr, out32_ptr, norm_w_ptr, pre, toks, num_tokens, n, hidden, norm_eps, BLOCK_T, NP,
+                       BLOCK_HD, OUT32)
     else:
         _collapse_chunk(x_ptr, out_ptr, pre, toks, num_tokens, n, hidden, NP, BLOCK_HD)
 
@@ -383,10 +389,11 @@ def mhc_pre(
     sinkhorn_iters: int,
     norm_weight: torch.Tensor | None = None,  # [H]
     norm_eps: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of `ops.mhc.mhc_pre` -> (layer_input [T, H] x.dtype, post [T, n] fp32, comb [T, n, n] fp32);
-    with `norm_weight` the sublayer's RMSNorm in the finish launch (one program per token block over all of H:
-    no rms_norm launch after it)."""
+    fp32_copy: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Triton twin of `ops.mhc.mhc_pre` -> (layer_input [T, H] x.dtype, post [T, n] fp32, comb [T, n, n] fp32
+    [, layer_input in fp32 with `fp32_copy`]); with `norm_weight` the sublayer's RMSNorm in the finish launch (one
+    program per token block over all of H: no rms_norm launch after it), which stores the fp32 copy too."""
     n = x.shape[1] if x.dim() == 3 else 0
     _check_mix("mhc_pre", x, fn, base, (2 + n) * n)
     check(scale.numel() == 3, f"mhc_pre: scale must have 3 entries (pre, post, comb), got {scale.numel()}")
@@ -396,17 +403,18 @@ def mhc_pre(
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     post = torch.empty((T, n), dtype=torch.float32, device=x.device)
     comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
-    if T == 0:
-        return out, post, comb
-    part, sumsq, splits, block_m = _mixes(x, fn.float().contiguous())
-    _pre_finish(x, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight, norm_eps,
-                out, post, comb)
-    return out, post, comb
+    out32 = torch.empty((T, H), dtype=torch.float32, device=x.device) if fp32_copy else None
+    if T > 0:
+        part, sumsq, splits, block_m = _mixes(x, fn.float().contiguous())
+        _pre_finish(x, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight,
+                    norm_eps, out, post, comb, out32)
+    return (out, post, comb, out32) if fp32_copy else (out, post, comb)
 
 
 def _pre_finish(x, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight,
-                norm_eps, out, post, comb) -> None:
-    """mhc_pre's finish launch over the split-K partials of x (checked, contiguous; T > 0): out, post, comb."""
+                norm_eps, out, post, comb, out32=None) -> None:
+    """mhc_pre's finish launch over the split-K partials of x (checked, contiguous; T > 0): out, post, comb (and
+    out32, the fp32 copy of out, with a norm)."""
     T, n, H = x.shape
     norm = norm_weight is not None
     if norm:
@@ -417,10 +425,12 @@ def _pre_finish(x, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, s
     grid = (grid[0], 1) if norm else grid
     _mhc_pre_finish_kernel[grid](
         x, part, sumsq, scale.float().contiguous(), base.float().contiguous(), out, post, comb,
-        norm_weight if norm else out, T, n, H, splits, float(rms_eps), float(hc_eps), int(sinkhorn_iters),
-        float(norm_eps or 0.0), BLOCK_T=_FINISH_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n),
-        NORM=norm, num_warps=4,
+        norm_weight if norm else out, out32 if out32 is not None else out, T, n, H, splits, float(rms_eps),
+        float(hc_eps), int(sinkhorn_iters), float(norm_eps or 0.0), BLOCK_T=_FINISH_BLOCK_T, BLOCK_M=block_m,
+        BLOCK_HD=block_hd, NP=next_pow2(n), NORM=norm, OUT32=out32 is not None, num_warps=4,
     )
+    if out32 is not None and not norm:  # the chunked collapse has no fp32 store: one copy (no caller does this)
+        out32.copy_(out)
 
 
 @accelerated("hc_head", "cuda", "rocm", "xpu")
@@ -503,10 +513,12 @@ def mhc_post_pre(
     sinkhorn_iters: int,
     norm_weight: torch.Tensor | None = None,  # [H]
     norm_eps: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    fp32_copy: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Triton twin of `ops.mhc.mhc_post_pre` in two launches instead of three: the stream update writes the next
     mhc_pre's split-K partials too (one split per H chunk: a count fixed by H, so batch-invariant as it is), then
-    mhc_pre's finish launch -> (streams [T, n, H] x.dtype, layer_input [T, H], post [T, n], comb [T, n, n])."""
+    mhc_pre's finish launch -> (streams [T, n, H] x.dtype, layer_input [T, H], post [T, n], comb [T, n, n]
+    [, layer_input in fp32 with `fp32_copy`])."""
     _check_post("mhc_post_pre", y, x, post, comb)
     n = x.shape[1]
     _check_mix("mhc_post_pre", x, fn, base, (2 + n) * n)
@@ -517,8 +529,9 @@ def mhc_post_pre(
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     post_next = torch.empty((T, n), dtype=torch.float32, device=x.device)
     comb_next = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
+    out32 = torch.empty((T, H), dtype=torch.float32, device=x.device) if fp32_copy else None
     if T == 0:
-        return streams, out, post_next, comb_next
+        return (streams, out, post_next, comb_next) + ((out32,) if fp32_copy else ())
     y = y if y.stride(-1) == 1 else y.contiguous()
     x, post, comb = x.contiguous(), post.float().contiguous(), comb.float().contiguous()
     fn = fn.float()
@@ -534,5 +547,5 @@ def mhc_post_pre(
         BLOCK_T=_POST_MIX_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n), num_warps=4,
     )
     _pre_finish(streams, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight,
-                norm_eps, out, post_next, comb_next)
-    return streams, out, post_next, comb_next
+                norm_eps, out, post_next, comb_next, out32)
+    return (streams, out, post_next, comb_next) + ((out32,) if fp32_copy else ())
