@@ -22,7 +22,7 @@ try:
 except ImportError as exc:
     pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
 
-from sparkspec.ops.indices import _chosen_rows_native, _pool_rows_native  # noqa: E402
+from sparkspec.ops.indices import _chosen_rows_native, _emission_plan_native, _pool_rows_native  # noqa: E402
 
 
 def _tables(R: int, width: int, seed: int) -> torch.Tensor:
@@ -83,6 +83,29 @@ def test_chosen_rows_equal_the_native(T, W, K, C):
     topk = torch.randint(-1, C, (T, K), generator=g).to(DEVICE)
     got = tri_idx.chosen_rows(window, table, req, topk)
     assert torch.equal(got, _chosen_rows_native(window, table, req, topk))
+
+
+@pytest.mark.parametrize("block_size,ratio,span", [(8, 4, 8), (8, 128, 128), (4, 8, 8), (16, 4, 4), (8, 8, 16)])
+def test_emission_plan_equals_the_native(block_size, ratio, span):
+    """Every field of the plan, for entry slots with -1 pads (a static batch's every-row emission) and entries whose
+    window starts before position 0."""
+    R, width = 3, 40
+    tables = _tables(R, width, seed=ratio + span)
+    g = torch.Generator().manual_seed(block_size)
+    T = 11
+    req = torch.randint(0, R, (T,), generator=g).to(DEVICE)
+    last_entry = width * block_size // ratio
+    j = torch.randint(0, last_entry, (T,), generator=g)
+    j[:3] = torch.tensor([0, 1, 0])  # windows reaching before position 0 (overlapping spans)
+    positions = ((j + 1) * ratio - 1).to(DEVICE)
+    emit = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, 6, 7, 8, 9, 10, -1], device=DEVICE)
+    args = (emit, positions, req, tables, block_size, ratio, span, 999, 555)
+    got = tri_idx.emission_plan(*args)
+    want = _emission_plan_native(*args)
+    names = ("last", "entry_ids", "first", "gather", "missing", "attn_rows", "key_rows")
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert (got[5][emit < 0] == 999).all() and (got[6][emit < 0] == 555).all()
 
 
 def test_preconditions_are_messages():

@@ -224,7 +224,7 @@ class Attention(nn.Module):
             plan = batch.emission(r, 2 * r if self.compressor.overlap else r)
             states, index_states = self.compressor_states(x if x_fp32 is None else x_fp32)
             self.compressor.store_states(pools["comp_kv"], pools["comp_score"], states, batch)
-            entry_rot = self.rotary.rotations(batch, ("entries", r), lambda: plan.last + 1 - r)
+            entry_rot = self.rotary.rotations(batch, ("entries", r), lambda: plan.first)
             self.compressor.emit(pools["comp_kv"], pools["comp_score"], plan, entry_rot, pools["attn"], plan.attn_rows)
             num_compressed = batch.max_seq_len // r
         if (ix := self.indexer) is not None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from sparkspec.models.cache import KVCache, entries_per_block
-from sparkspec.ops.indices import entry_table, pool_rows, window_positions
+from sparkspec.ops.indices import emission_plan, entry_table, pool_rows, window_positions
 
 
 @dataclass
@@ -62,19 +62,17 @@ class ForwardBatch:
 
     def token_rows(self, ratio: int) -> torch.Tensor:
         """[T] rows of this step's tokens in a layer's `attn` pool (raw K=V)."""
-        return self.memo(("attn", ratio), lambda: self._token_rows(self.block_size + entries_per_block(
-            self.block_size, ratio)))
+        return self._token_rows(self.block_size + entries_per_block(self.block_size, ratio))
 
     def state_rows(self) -> torch.Tensor:
         """[T] rows of this step's tokens in per-position pools (compressor / indexer state)."""
-        return self.memo("state", lambda: self._token_rows(self.block_size))
+        return self._token_rows(self.block_size)
 
     def _token_rows(self, rows_per_block: int) -> torch.Tensor:
-        """Tokens' rows in a pool with `rows_per_block` rows per block: one op on the step's (block, offset) of
-        every token, shared by every pool kind (a token's position is never < 0)."""
-        blk, offset = self.memo("token_blocks", lambda: (
-            self.block_tables[self.req_idx, self.positions // self.block_size], self.positions % self.block_size))
-        return torch.add(offset, blk, alpha=rows_per_block)
+        """Tokens' rows in a pool with `rows_per_block` rows per block, once per distinct layout (sliding layers'
+        `attn` pools and the state pools share one)."""
+        return self.memo(("token_rows", rows_per_block), lambda: self.rows_of(self.positions, self.req_idx,
+                                                                               rows_per_block))
 
     def sliding_rows(self, window: int, ratio: int) -> torch.Tensor:
         """[T, W] each query's sliding-window rows in a layer's `attn` pool (the window's positions shared by every
@@ -111,6 +109,7 @@ class Emission:
 
     last: torch.Tensor  # [M] position closing each entry, (j+1)·ratio - 1 (-1 for pads)
     entry_ids: torch.Tensor  # [M] j (-1 for pads)
+    first: torch.Tensor  # [M] the entry's first position j·ratio (last + 1 - ratio): its rotation
     gather: torch.Tensor  # [M, span] per-position pool rows pooled by each entry, oldest first (0 where none)
     missing: torch.Tensor  # [M, span] bool: that position is < 0
     attn_rows: torch.Tensor  # [M] rows of the `attn` pool the entries go to (the trash row for pads)
@@ -118,17 +117,9 @@ class Emission:
 
     @classmethod
     def plan(cls, b: ForwardBatch, ratio: int, span: int) -> Emission:
-        emit = b.emit_rows[ratio]
-        valid = emit >= 0
-        last = torch.where(valid, b.positions[emit.clamp(min=0)], -1)
-        req = b.req_idx[emit.clamp(min=0)]
-        entry_ids = torch.where(valid, (last + 1) // ratio - 1, -1)
-        pos = last.unsqueeze(1) - span + 1 + torch.arange(span, device=last.device)  # [M, span]
-        rows = b.rows_of(pos, req.unsqueeze(1), b.block_size, fill=0)
         e = entries_per_block(b.block_size, ratio)
-        attn = b.entry_rows(entry_ids, req, ratio, b.block_size + e, b.block_size, b.cache.trash_row(b.block_size + e))
-        keys = b.entry_rows(entry_ids, req, ratio, e, 0, b.cache.trash_row(e))
-        return cls(last, entry_ids, rows, pos < 0, attn, keys)
+        return cls(*emission_plan(b.emit_rows[ratio], b.positions, b.req_idx, b.block_tables, b.block_size, ratio,
+                                  span, b.cache.trash_row(b.block_size + e), b.cache.trash_row(e)))
 
 
 def batch_parts(

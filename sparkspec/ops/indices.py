@@ -72,6 +72,40 @@ def _pool_rows_native(
     return torch.where(positions >= 0, rows, fill)
 
 
+def emission_plan(
+    emit: torch.Tensor,  # [M] rows of the step whose position closes an entry (-1 pads)
+    positions: torch.Tensor,  # [T]
+    req_idx: torch.Tensor,  # [T]
+    block_tables: torch.Tensor,  # [R, max_blocks]
+    block_size: int,
+    ratio: int,
+    span: int,  # positions an entry pools (ratio, or 2·ratio with overlapping windows)
+    trash_attn: int,  # the `attn` pool's trash row (pads write there)
+    trash_keys: int,  # the `idx_keys` pool's
+) -> tuple[torch.Tensor, ...]:
+    """Where this step's compressed entries of one ratio come from and go to (`models.forward_batch.Emission`) ->
+    (last [M]: the position closing each entry, -1 for pads; entry_ids [M]: j = (last + 1) / ratio - 1, -1 for pads;
+    first [M]: last + 1 - ratio, the entry's first position (its rotation); gather [M, span]: per-position pool rows
+    of positions last - span + 1 .. last, 0 where < 0; missing [M, span]: those positions < 0; attn_rows [M],
+    key_rows [M]: the entries' rows in the `attn` pool (after the bs raw rows of a block) and the `idx_keys` pool,
+    the trash rows for pads). One op: an accelerator takes it in one launch, the native in a score of small ones."""
+    return ops.emission_plan(emit, positions, req_idx, block_tables, block_size, ratio, span, trash_attn, trash_keys)
+
+
+@native("emission_plan")
+def _emission_plan_native(emit, positions, req_idx, block_tables, block_size, ratio, span, trash_attn, trash_keys):
+    valid = emit >= 0
+    last = torch.where(valid, positions[emit.clamp(min=0)], -1)
+    req = req_idx[emit.clamp(min=0)]
+    entry_ids = torch.where(valid, (last + 1) // ratio - 1, -1)
+    pos = last.unsqueeze(1) - span + 1 + torch.arange(span, device=last.device)  # [M, span]
+    gather = pool_rows(block_tables, req.unsqueeze(1), pos, block_size, block_size, fill=0)
+    e = -(-block_size // ratio)
+    attn = pool_rows(block_tables, req, entry_ids, block_size, block_size + e, block_size, ratio, trash_attn)
+    keys = pool_rows(block_tables, req, entry_ids, block_size, e, 0, ratio, trash_keys)
+    return last, entry_ids, last + 1 - ratio, gather, pos < 0, attn, keys
+
+
 def window_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
     """Positions pos - W + 1 .. pos of each query's causal sliding window, newest last -> [T, W] (< 0 before 0)."""
     return positions.unsqueeze(1) - torch.arange(window - 1, -1, -1, device=positions.device)

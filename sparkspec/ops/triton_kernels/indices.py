@@ -1,5 +1,6 @@
-"""Per-step addressing in one launch each (Triton): `pool_rows` (positions -> pool rows through the block tables)
-and `chosen_rows` (a CSA layer's index lists from the step's window rows and its top-k entries).
+"""Per-step addressing in one launch each (Triton): `pool_rows` (positions -> pool rows through the block tables),
+`emission_plan` (where one ratio's compressed entries of the step come from and go to) and `chosen_rows` (a CSA
+layer's index lists from the step's window rows and its top-k entries).
 
 Legend as in `sparkspec.ops.indices`: T queries, R requests, W window, K chosen entries, C compressed entries.
 The natives take a handful of integer kernels each (clamp, divide, remainder, gather, add, compare, select);
@@ -79,6 +80,92 @@ def pool_rows(block_tables: torch.Tensor, req: torch.Tensor, positions: torch.Te
         ratio // block_size if per_block == 0 else 0, rows_per_block, first_row, fill, BLOCK=_BLOCK,
     )
     return out
+
+
+@triton.jit
+def _entry_row(tables_ptr, req, j, stride_tab, per_block, blocks_per_entry, rows_per_block, first_row):
+    """Pool row of compressed entry j >= 0 of request `req` (`ops.indices.pool_rows` at ratio > 1): per_block > 0
+    entries share a block, else entry j has block j · blocks_per_entry."""
+    safe = tl.maximum(per_block, 1)
+    col = tl.where(per_block > 0, j // safe, j * blocks_per_entry)
+    blk = tl.load(tables_ptr + req * stride_tab + col).to(tl.int64)
+    return blk * rows_per_block + first_row + tl.where(per_block > 0, j % safe, 0)
+
+
+@triton.jit
+def _emission_plan_kernel(
+    emit_ptr,  # [M] step rows closing an entry (-1 pads)
+    pos_ptr,  # [T] positions
+    req_ptr,  # [T] request rows
+    tables_ptr,  # [R, max_blocks] (row stride stride_tab)
+    last_ptr,  # [M] int64 out
+    entry_ptr,  # [M] int64 out
+    first_ptr,  # [M] int64 out
+    gather_ptr,  # [M, span] int64 out
+    missing_ptr,  # [M, span] bool out
+    attn_ptr,  # [M] int64 out
+    keys_ptr,  # [M] int64 out
+    span,
+    stride_tab,
+    block_size,
+    ratio,
+    per_block,  # entries per block where several share one (block_size // ratio), else 0
+    blocks_per_entry,  # ratio // block_size where per_block is 0
+    entries,  # entries per block: ceil(block_size / ratio)
+    trash_attn,
+    trash_keys,
+    BLOCK_S: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    e = tl.load(emit_ptr + m).to(tl.int64)
+    valid = e >= 0
+    row = tl.maximum(e, 0)
+    last = tl.where(valid, tl.load(pos_ptr + row).to(tl.int64), -1)
+    req = tl.load(req_ptr + row).to(tl.int64)
+    j = tl.where(valid, (last + 1) // ratio - 1, -1)
+    tl.store(last_ptr + m, last)
+    tl.store(entry_ptr + m, j)
+    tl.store(first_ptr + m, last + 1 - ratio)
+    jj = tl.maximum(j, 0)
+    attn = _entry_row(tables_ptr, req, jj, stride_tab, per_block, blocks_per_entry, block_size + entries, block_size)
+    keys = _entry_row(tables_ptr, req, jj, stride_tab, per_block, blocks_per_entry, entries, 0)
+    tl.store(attn_ptr + m, tl.where(j >= 0, attn, trash_attn))
+    tl.store(keys_ptr + m, tl.where(j >= 0, keys, trash_keys))
+    for s0 in range(0, span, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = s < span
+        p = last - span + 1 + s
+        seen = p >= 0
+        pc = tl.maximum(p, 0)
+        blk = tl.load(tables_ptr + req * stride_tab + pc // block_size, mask=s_ok & seen, other=0).to(tl.int64)
+        tl.store(gather_ptr + m * span + s, tl.where(seen, blk * block_size + pc % block_size, 0), mask=s_ok)
+        tl.store(missing_ptr + m * span + s, (p < 0).to(tl.int1), mask=s_ok)
+
+
+@accelerated("emission_plan", "cuda", "rocm", "xpu")
+def emission_plan(emit: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor, block_tables: torch.Tensor,
+                  block_size: int, ratio: int, span: int, trash_attn: int, trash_keys: int
+                  ) -> tuple[torch.Tensor, ...]:
+    """Triton twin of `ops.indices.emission_plan` in one launch (a program per entry slot) -> (last, entry_ids,
+    first, gather, missing, attn_rows, key_rows)."""
+    check(emit.dim() == 1 and positions.shape == req_idx.shape and positions.dim() == 1,
+          f"emission_plan: emit, positions and req_idx must be 1-D [M], [T], [T], got {tuple(emit.shape)}, "
+          f"{tuple(positions.shape)}, {tuple(req_idx.shape)}")
+    check(ratio > 1 and (block_size % ratio == 0 or ratio % block_size == 0),
+          f"emission_plan: ratio {ratio} must be > 1 and divide block_size {block_size} or be a multiple of it")
+    check(same_device(emit, positions, req_idx, block_tables), "emission_plan: all tensors must share a device")
+    M, dev = emit.shape[0], emit.device
+    last, entry_ids, first, attn, keys = (torch.empty(M, dtype=torch.int64, device=dev) for _ in range(5))
+    gather = torch.empty((M, span), dtype=torch.int64, device=dev)
+    missing = torch.empty((M, span), dtype=torch.bool, device=dev)
+    if M > 0:
+        _emission_plan_kernel[(M,)](
+            emit, positions, req_idx, block_tables, last, entry_ids, first, gather, missing, attn, keys, span,
+            block_tables.stride(0), block_size, ratio, block_size // ratio if block_size % ratio == 0 else 0,
+            ratio // block_size if block_size % ratio else 0, -(-block_size // ratio), trash_attn, trash_keys,
+            BLOCK_S=min(triton.next_power_of_2(span), 1024),
+        )
+    return last, entry_ids, first, gather, missing, attn, keys
 
 
 @triton.jit
