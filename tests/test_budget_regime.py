@@ -131,17 +131,36 @@ def test_nothing_measured_falls_back_to_the_cost_table():
 
 
 def test_probes_measure_the_arm_not_chosen_and_proposed_drafts_are_verified():
-    """The table says plain (verify steps are slow); probes still draft, the drafts they propose are all verified
-    (padded), and with fast measured spec steps the budget switches to drafting."""
+    """The table says plain (verify steps are slow); drafting is probed at its interval (not right away: the
+    device-only table favours drafting, so a table that says plain is trusted until then), the drafts the probe
+    proposes are all verified (padded), and with fast measured spec steps the budget switches to drafting."""
     clock = FakeClock()
     slow_verify = CostTable({r: [(r, 0.001), (r * (1 + K), 0.02)] for r in (1, 4)}, [(1, 0.0), (4, 0.0)])
     budget = VerificationBudget("adaptive", K, slow_verify, padded=True, clock=clock)
     accepting(budget, 3)
     assert budget.plan_num_drafts(4, 4) == 0
-    ks = run_engine(budget, clock, 4, lambda v, p: 0.0011 if (v or p) else 0.001, 60)
-    assert ks[0] == K  # the first probe: spec has no samples
+    ks = run_engine(budget, clock, 4, lambda v, p: 0.0011 if (v or p) else 0.001, 160)
+    first = ks.index(K)
+    assert 2 * budget.probe_every <= first <= 2 * budget.probe_every + 1  # the table's margin: every 2 x 32
     assert budget.step_times.count(4, "spec") >= 2 and budget.plan_num_drafts(4, 4) == K
-    assert sum(k > 0 for k in ks[30:]) > 25
+    assert sum(k > 0 for k in ks[first + 30:]) > 0.9 * len(ks[first + 30:])
+
+
+def test_probes_back_off_while_they_confirm_the_choice():
+    """A steady workload where drafting wins by far: each probe of plain decoding confirms the choice, so the
+    interval doubles (up to max_backoff), and the share of probe steps falls; when plain decoding becomes faster,
+    the next probe finds it and the budget switches."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    accepting(budget, 3)
+    ks = run_engine(budget, clock, 4, lambda v, p: 0.001 if (v or p) else 0.0009, 3000)
+    starts = [i for i in range(len(ks)) if ks[i] == 0 and (i == 0 or ks[i - 1] == K)]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    longest = 2 * budget.probe_every * budget.max_backoff  # (x 2: plain decoding is > 25 % behind)
+    assert gaps[0] < gaps[1] < gaps[2] == gaps[-1] == longest, gaps
+    assert sum(k == 0 for k in ks[1000:]) / 2000 < 0.02  # ~3 of every 512 decisions
+    ks = run_engine(budget, clock, 4, lambda v, p: 0.004 if (v or p) else 0.0009, 1200)  # drafting now loses
+    assert ks[-100:] == [0] * 100
 
 
 def test_fixed_mode_and_transitions():

@@ -246,13 +246,16 @@ class StepTimes:
 
 @dataclass
 class _Probe:
-    """Per bucket: decisions made, when the last probe started, how many ran, and the one in progress."""
+    """Per bucket: decisions made, when the last probe started, how many ran, the one in progress (its arm and
+    the decisions it has left), the arm chosen when it started, and the interval's backoff factor."""
 
     num_decisions: int = 0
     last_start: int = -(10**9)
     num_started: int = 0
     arm: Arm | None = None
     left: int = 0
+    best_before: Arm | None = None
+    backoff: int = 1
 
 
 class VerificationBudget:
@@ -273,7 +276,7 @@ class VerificationBudget:
 
     def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None, padded: bool = False,
                  clock: Callable[[], float] = time.perf_counter, min_samples: int = 2, probe_every: int = 32,
-                 probe_len: int = 3, max_first_probes: int = 4):
+                 probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 8):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
@@ -293,6 +296,7 @@ class VerificationBudget:
         # first step of a plain stretch is not one either: `skip_step`)
         self.probe_len = probe_len
         self.max_first_probes = max_first_probes  # back-to-back probes of an arm that has no samples yet
+        self.max_backoff = max_backoff  # a probe that confirms the choice doubles the interval, up to this factor
         self._probes: dict[int, _Probe] = {}
         self._proposing = False  # the last `next_num_drafts` asked for drafts: padded steps verify them all
         self._step_start: float | None = None
@@ -403,8 +407,14 @@ class VerificationBudget:
     def next_num_drafts(self, num_reqs: int, num_base_tokens: int, num_running: int | None = None,
                         has_prompt: bool = False) -> int:
         """Once per engine step: `plan_num_drafts`, except during a probe of the other arm. A probe starts every
-        `probe_every` decisions of a bucket (twice that where one arm is > 25 % ahead), or right away (up to
-        `max_first_probes` times) while the arm has fewer than `min_samples` samples; it lasts `probe_len`
+        `probe_every` decisions of a bucket (twice that where one arm is > 25 % ahead, four times where the bucket
+        below found plain decoding ahead), times a backoff factor: each probe after which the choice is the same as
+        before it doubles the factor (up to `max_backoff`), one after which the choice changed resets it to 1. So a
+        steady workload spends ever fewer steps on the arm that loses, and a change is still found. Right away (up
+        to `max_first_probes` times), plain decoding is probed while it has fewer samples than `StepTimes` trims
+        (drafting is not: the cost table times the device alone, which favours drafting, so where even the table
+        says plain, drafting waits for its interval; on the H200 demo pair at c = 256 the first probes of drafting
+        cost ~17 ms a step against ~4 ms for plain decoding, in a level of ~130 steps). A probe lasts `probe_len`
         decisions. `num_running`: the request count that buckets the measurements (`note_step`'s). No probe
         starts on a step that carries a prompt chunk (`has_prompt`): the next one most likely does too (prompts
         arrive in bursts), and such steps are not filed (`note_step`), so the probe would measure nothing."""
@@ -418,20 +428,25 @@ class VerificationBudget:
             best = "plain"
         st = self._probes.setdefault(bucket_of(key), _Probe())
         st.num_decisions += 1
-        if prior and st.num_started == 0 and st.last_start < 0:
+        if st.best_before is not None and not st.left:  # the probe has ended: did it change the choice?
+            st.backoff = min(2 * st.backoff, self.max_backoff) if best == st.best_before else 1
+            st.best_before = None
+        if st.last_start < 0 and st.num_started == 0 and (prior or best == "plain"):
             st.last_start = st.num_decisions  # the first probe of drafting waits its interval too
         if not st.left and not has_prompt:
             other: Arm = "plain" if best == "spec" else "spec"
             since = st.num_decisions - st.last_start
             # until the arm has the samples that let its slowest one be dropped (the first after a switch of arm
             # is often slow: on the H200 demo pair at c = 64, 4.1 ms against 2.0 for plain decoding's next two)
-            unseen = not prior and self.step_times.count(key, other) < max(self.min_samples,
-                                                                            self.step_times.min_trim)
+            unseen = other == "plain" and self.step_times.count(key, other) < max(self.min_samples,
+                                                                                   self.step_times.min_trim)
             margin = theta[best] / max(theta[other], 1e-9)
             # a clear loser is probed half as often, one the smaller request counts already rejected a quarter
-            every = self.probe_every * (4 if prior else 2 if margin > 1.25 else 1)
-            if since >= every or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
+            every = self.probe_every * st.backoff * (4 if prior else 2 if margin > 1.25 else 1)
+            due = since >= every  # (only such probes move the backoff: the first ones measure, they confirm nothing)
+            if due or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
                 st.arm, st.left, st.last_start = other, self.probe_len, st.num_decisions
+                st.best_before = best if due else None
                 st.num_started += 1
         arm = best
         if st.left:
