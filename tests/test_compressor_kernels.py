@@ -115,9 +115,9 @@ def test_indexer_scores_match_the_native_scores():
     visible = torch.tensor([C, 9], device=DEVICE)
     scores = torch.empty(T, C, device=DEVICE)
     tri_comp._indexer_scores_kernel[(T, 2)](
-        q, w, keys, visible, visible, scores, ih, C, dim, 0.3, q.stride(0), q.stride(1), w.stride(0),
-        keys.stride(0), keys.stride(1), 1.0, HAS_REQ=False, SPLIT=True, BF16_DOT=DEVICE.type != "cpu", BLOCK_H=16,
-        BLOCK_C=64, BLOCK_D=64,
+        q, w, keys, visible, visible, visible, scores, ih, C, dim, 0.3, q.stride(0), q.stride(1), w.stride(0),
+        keys.stride(0), keys.stride(1), 1.0, HAS_REQ=False, HAS_ROWS=False, SPLIT=True, BF16_DOT=DEVICE.type != "cpu",
+        BLOCK_H=16, BLOCK_C=64, BLOCK_D=64,
     )
     s = torch.relu(torch.einsum("thd,tcd->thc", q.double(), keys.double())) * 0.3
     want = (s * w.double().unsqueeze(-1)).sum(dim=1)

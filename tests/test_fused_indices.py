@@ -18,10 +18,12 @@ try:
 
     if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
+    from sparkspec.ops.triton_kernels import compressor as tri_comp
     from sparkspec.ops.triton_kernels import indices as tri_idx
 except ImportError as exc:
     pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
 
+from sparkspec.ops import compressor  # noqa: E402
 from sparkspec.ops.indices import _chosen_rows_native, _emission_plan_native, _pool_rows_native  # noqa: E402
 
 
@@ -106,6 +108,26 @@ def test_emission_plan_equals_the_native(block_size, ratio, span):
     for name, a, b in zip(names, got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert (got[5][emit < 0] == 999).all() and (got[6][emit < 0] == 555).all()
+
+
+@pytest.mark.parametrize("per_query", [True, False], ids=["per_query", "by_request"])
+def test_indexer_reads_keys_through_their_rows(per_query):
+    """indexer_topk(..., key_rows): keys read from the pool through the rows = the gathered keys (the same ids)."""
+    g = torch.Generator().manual_seed(3)
+    T, ih, dim, C, S = 5, 4, 24, 37, 90
+    q = torch.randn(T, ih, dim, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(T, ih, generator=g).to(DEVICE)
+    pool = torch.randn(S, dim, generator=g).to(DEVICE)
+    pool[7] = 0  # an all-zero key: ties broken towards the lower id
+    req = torch.arange(T, device=DEVICE) % 2
+    rows = torch.randint(0, S, (2, C), generator=g).to(DEVICE)
+    rows[:, 4] = 7
+    visible = torch.randint(0, C + 1, (T,), generator=g).to(DEVICE)
+    key_rows, req_arg = (rows[req], None) if per_query else (rows, req)
+    got = tri_comp.indexer_topk(q, w, pool, req_arg, visible, 16, 0.3, 0.5, key_rows)
+    want = compressor.indexer_topk(q, w, pool[key_rows], req_arg, visible, 16, 0.3, 0.5)
+    assert torch.equal(got, want)
+    assert torch.equal(compressor.indexer_topk(q, w, pool, req_arg, visible, 16, 0.3, 0.5, key_rows), want)
 
 
 def test_preconditions_are_messages():

@@ -230,9 +230,9 @@ class Attention(nn.Module):
         if (ix := self.indexer) is not None:
             ix.compressor.store_states(pools["idx_kv"], pools["idx_score"], index_states, batch)
             ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan, entry_rot, pools["idx_keys"], plan.key_rows)
-            keys = pools["idx_keys"][batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed))]
-            topk = ops.indexer_topk(iq, iw, keys, None, batch.visible(r), ix.topk, ix.head_dim ** -0.5,
-                                    ix.n_heads ** -0.5)
+            key_rows = batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed))  # [T, C]
+            topk = ops.indexer_topk(iq, iw, pools["idx_keys"], None, batch.visible(r), ix.topk, ix.head_dim ** -0.5,
+                                    ix.n_heads ** -0.5, key_rows)
             indices = self.indices(batch, topk)
         else:  # sliding and heavily compressed layers: the same lists for every layer of the ratio
             indices = batch.memo(("indices", r), lambda: self.indices(batch, None))
@@ -261,8 +261,8 @@ class Attention(nn.Module):
 
     def key_rows(self, batch: ForwardBatch, num_compressed: int) -> torch.Tensor:
         """[T, C] `idx_keys` rows of every entry j < C of each query's request (pads: rows of a real block or of the
-        scratch block, never chosen: the indexer masks j >= what the query sees), so that a layer gathers its keys
-        once, per query."""
+        scratch block, never chosen: the indexer masks j >= what the query sees); the indexer reads its keys
+        through them."""
         j = torch.arange(num_compressed, device=batch.positions.device).unsqueeze(0)  # [1, C]
         return batch.entry_rows(j, batch.req_idx.unsqueeze(1), self.ratio,
                                 entries_per_block(batch.block_size, self.ratio), 0)

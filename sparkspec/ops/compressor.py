@@ -76,9 +76,13 @@ def indexer_topk(
     topk: int,
     scale: float,
     weight_scale: float = 1.0,  # w = weights (in fp32) · weight_scale: the head weights' factor, taken here
+    key_rows: torch.Tensor | None = None,  # [R or T, C] rows of keys, then a pool [S, id]: keys[key_rows] are the keys
 ) -> torch.Tensor:
     """Lightning indexer: score[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[r(t), j])·scale, keep the top `topk` visible
-    entries -> [T, topk] int64 entry ids, -1 padded (ties broken towards the lower id)."""
+    entries -> [T, topk] int64 entry ids, -1 padded (ties broken towards the lower id). With `key_rows` the keys
+    are read from their pool through those rows (an accelerator gathers nothing first)."""
+    if key_rows is not None:
+        keys = keys[key_rows]  # [R or T, C, id]
     T, C = q.shape[0], keys.shape[1]
     k = min(topk, C)
     if k == 0:

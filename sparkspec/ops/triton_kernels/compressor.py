@@ -270,7 +270,8 @@ def _exact_dot_t(q, k, SPLIT: tl.constexpr, BF16_DOT: tl.constexpr):
 def _indexer_scores_kernel(
     q_ptr,  # [T, ih, id] indexer queries
     w_ptr,  # [T, ih] per-head weights
-    keys_ptr,  # [K, C, id] keys (K = R with req_ptr, else T)
+    keys_ptr,  # [K, C, id] keys (K = R with req_ptr, else T); with HAS_ROWS a pool [S, id]
+    rows_ptr,  # [K, C] int rows of the pool (read only with HAS_ROWS; row stride stride_kr)
     req_ptr,  # [T] int key set of each query (read only when HAS_REQ)
     visible_ptr,  # [T] int: entries j < visible may be chosen
     out_ptr,  # [T, C] fp32 scores, -inf where not visible
@@ -285,6 +286,7 @@ def _indexer_scores_kernel(
     stride_kc,
     weight_scale,
     HAS_REQ: tl.constexpr,
+    HAS_ROWS: tl.constexpr,  # keys through rows_ptr (stride_kc: the pool's row stride)
     SPLIT: tl.constexpr,  # see _exact_dot_t
     BF16_DOT: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -301,8 +303,12 @@ def _indexer_scores_kernel(
     key_set = tl.load(req_ptr + t).to(tl.int64) if HAS_REQ else t
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    k = tl.load(keys_ptr + key_set * stride_kr + cols[:, None].to(tl.int64) * stride_kc + dims[None, :],
-                mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_C, BLOCK_D]
+    if HAS_ROWS:
+        rows = tl.load(rows_ptr + key_set * stride_kr + cols, mask=col_ok, other=0).to(tl.int64)  # [BLOCK_C]
+        k_off = rows[:, None] * stride_kc + dims[None, :]
+    else:
+        k_off = key_set * stride_kr + cols[:, None].to(tl.int64) * stride_kc + dims[None, :]
+    k = tl.load(keys_ptr + k_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_C, D]
     s = tl.maximum(_exact_dot_t(q, k, SPLIT, BF16_DOT), 0.0) * scale  # [BLOCK_H, BLOCK_C]
     w = tl.load(w_ptr + t * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32) * weight_scale
     score = tl.sum(s * w[:, None], axis=0)  # [BLOCK_C]
@@ -350,21 +356,28 @@ def indexer_topk(
     topk: int,
     scale: float,
     weight_scale: float = 1.0,
+    key_rows: torch.Tensor | None = None,  # [R or T, C] rows of keys (then a pool [S, id])
 ) -> torch.Tensor:
-    """Triton twin of `ops.compressor.indexer_topk`: the scores in one launch, then the top-k by one more (a
-    per-row bitonic sort giving `torch.sort`'s stable order: the same ids; over TOPK_SELECT_MAX_ENTRIES entries the
-    native's sort).
+    """Triton twin of `ops.compressor.indexer_topk`: the scores in one launch (with `key_rows`, the keys read from
+    their pool through the rows: no gather first), then the top-k by one more (a per-row bitonic sort giving
+    `torch.sort`'s stable order: the same ids; over TOPK_SELECT_MAX_ENTRIES entries the native's sort).
 
     bf16 queries against fp32 keys (the model's case) run three bf16 tensor-core dots on the keys' exact bf16
     pieces: the products are exact, only the fp32 summation order differs from the native. Other dtypes take one
     ieee fp32 dot (FMA: ~60 us per (query, 32 keys) program on the H200 at ih = 64, id = 128)."""
-    check(q.dim() == 3 and keys.dim() == 3 and q.shape[2] == keys.shape[2],
-          f"indexer_topk: want q [T, ih, id] and keys [*, C, id], got {tuple(q.shape)} and {tuple(keys.shape)}")
+    if key_rows is not None:
+        check(keys.dim() == 2 and key_rows.dim() == 2 and q.dim() == 3 and q.shape[2] == keys.shape[1],
+              f"indexer_topk: with key_rows, want q [T, ih, id], keys [S, id] and key_rows [*, C], got "
+              f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(key_rows.shape)}")
+    else:
+        check(q.dim() == 3 and keys.dim() == 3 and q.shape[2] == keys.shape[2],
+              f"indexer_topk: want q [T, ih, id] and keys [*, C, id], got {tuple(q.shape)} and {tuple(keys.shape)}")
     T, ih, dim = q.shape
-    C = keys.shape[1]
+    sets = key_rows if key_rows is not None else keys  # [K, C, ...]
+    C = sets.shape[1]
     check(tuple(weights.shape) == (T, ih), f"indexer_topk: weights must be [{T}, {ih}], got {tuple(weights.shape)}")
-    check(req_idx is not None or keys.shape[0] == T, f"indexer_topk: keys per query must be [{T}, C, id], got "
-          f"{tuple(keys.shape)}")
+    check(req_idx is not None or sets.shape[0] == T, f"indexer_topk: keys per query must be [{T}, C, id], got "
+          f"{tuple(sets.shape)}")
     check(num_visible.shape == (T,), f"indexer_topk: num_visible must be [{T}], got {tuple(num_visible.shape)}")
     check(same_device(q, weights, keys, num_visible), "indexer_topk: one device for all")
     k = min(topk, C)
@@ -377,11 +390,18 @@ def indexer_topk(
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     scores = torch.empty(T, C, dtype=torch.float32, device=q.device)
     block_c = 64 if split else 32
+    if key_rows is not None:
+        key_rows = key_rows if key_rows.stride(-1) == 1 else key_rows.contiguous()
+        stride_kr, stride_kc = key_rows.stride(0), keys.stride(0)
+    else:
+        stride_kr, stride_kc = keys.stride(0), keys.stride(1)
     _indexer_scores_kernel[(T, triton.cdiv(C, block_c))](
-        q, weights, keys, req_idx if req_idx is not None else num_visible, num_visible, scores, ih, C, dim,
-        float(scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), float(weight_scale),
-        HAS_REQ=req_idx is not None, SPLIT=split, BF16_DOT=split and not on_interpreter(q),
-        BLOCK_H=max(next_pow2(ih), 16), BLOCK_C=block_c, BLOCK_D=max(next_pow2(dim), 16), num_warps=4,
+        q, weights, keys, key_rows if key_rows is not None else num_visible,
+        req_idx if req_idx is not None else num_visible, num_visible, scores, ih, C, dim,
+        float(scale), q.stride(0), q.stride(1), weights.stride(0), stride_kr, stride_kc, float(weight_scale),
+        HAS_REQ=req_idx is not None, HAS_ROWS=key_rows is not None, SPLIT=split,
+        BF16_DOT=split and not on_interpreter(q), BLOCK_H=max(next_pow2(ih), 16), BLOCK_C=block_c,
+        BLOCK_D=max(next_pow2(dim), 16), num_warps=4,
     )
     if C > TOPK_SELECT_MAX_ENTRIES:
         values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
