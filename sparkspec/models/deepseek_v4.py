@@ -73,13 +73,16 @@ class Rotary(nn.Module):
         super().__init__()
         self.dim = dim
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._unit: torch.Tensor | None = None  # |e^{iθ}| = 1 on the device, broadcast (`rotation`)
         self.inv_freq_fp32 = inv_freq.float().clone()  # master copy: `.to(bf16)` would round the buffer
         self.freq_key = (dim, key if key is not None else id(self))
 
     def rotation(self, positions: torch.Tensor) -> torch.Tensor:
-        """e^{i·pos·freq} -> [T, R/2] complex64."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, R/2]
-        return torch.polar(torch.ones_like(freqs), freqs)
+        """e^{i·pos·freq} -> [T, R/2] complex64 (two launches: the int positions promote to fp32 in the product)."""
+        freqs = positions.unsqueeze(-1) * self.inv_freq.float()  # [T, R/2] fp32
+        if self._unit is None or self._unit.device != freqs.device:  # made once, not a ones_like per call
+            self._unit = torch.ones((), device=freqs.device)
+        return torch.polar(self._unit, freqs)
 
     def rotations(self, batch: ForwardBatch, key, positions_fn) -> torch.Tensor:
         """The rotation at positions_fn(), computed once per forward for every layer that shares this module's
