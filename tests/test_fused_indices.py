@@ -130,6 +130,26 @@ def test_indexer_reads_keys_through_their_rows(per_query):
     assert torch.equal(compressor.indexer_topk(q, w, pool, req_arg, visible, 16, 0.3, 0.5, key_rows), want)
 
 
+@pytest.mark.parametrize("C,topk,W", [(37, 16, 8), (10, 16, 5), (200, 128, 128)])  # C < topk: padded
+def test_indexer_writes_the_index_lists(C, topk, W):
+    """indexer_topk(..., lists): the select launch writes chosen_rows(window, table, req, ids) (-1 pads -> -1)."""
+    g = torch.Generator().manual_seed(C)
+    T, ih, dim, R = 4, 4, 16, 2
+    q = torch.randn(T, ih, dim, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(T, ih, generator=g).to(DEVICE)
+    keys = torch.randn(T, C, dim, generator=g).to(DEVICE)
+    visible = torch.tensor([C, 3, 0, C // 2], device=DEVICE)  # 0 visible: a row of -1 pads
+    req = torch.tensor([1, 0, 1, 0], device=DEVICE)
+    window = torch.randint(-1, 500, (T, W), generator=g).to(DEVICE)
+    table = torch.cat([torch.randint(0, 500, (R, C), generator=g), torch.full((R, 1), -1)], dim=1).to(DEVICE)
+    lists = (window, table, req)
+    ids = compressor.indexer_topk(q, w, keys, None, visible, topk, 0.3)
+    want = _chosen_rows_native(window, table, req, ids)
+    got = tri_comp.indexer_topk(q, w, keys, None, visible, topk, 0.3, 1.0, None, lists)
+    assert got.shape == (T, W + topk) and torch.equal(got, want)
+    assert torch.equal(compressor.indexer_topk(q, w, keys, None, visible, topk, 0.3, 1.0, None, lists), want)
+
+
 def test_preconditions_are_messages():
     tables = _tables(2, 4, seed=0)
     with pytest.raises(ValueError, match="ratio 3 must divide"):

@@ -35,7 +35,8 @@ def _select(scores: torch.Tensor, topk: int) -> torch.Tensor:
     T, C = scores.shape
     out = torch.full((T, topk), 7, dtype=torch.long, device=scores.device)  # every slot must be written
     block = max(triton_next_pow2(C), 16)
-    tri_comp._topk_select_kernel[(T,)](scores.contiguous(), out, C, min(topk, C), topk, BLOCK_C=block)
+    tri_comp._topk_select_kernel[(T,)](scores.contiguous(), out, out, out, out, C, min(topk, C), topk, 0, 0, 0, 0,
+                                       BLOCK_C=block, LISTS=False)
     return out
 
 

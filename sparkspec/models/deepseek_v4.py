@@ -22,7 +22,6 @@ from sparkspec.models.cache import compressor_width, entries_per_block
 from sparkspec.models.forward_batch import Emission, ForwardBatch
 from sparkspec.models.fused_linear import fused_linear, stacked_linear
 from sparkspec.ops import ops
-from sparkspec.ops.indices import chosen_rows
 from sparkspec.ops.moe import expert_weights, swiglu
 
 FP32_PARAM_SUFFIXES = ("attn_sink", "ape", "gate.bias", "hc_attn_fn", "hc_attn_base", "hc_attn_scale",
@@ -222,7 +221,7 @@ class Attention(nn.Module):
         pools = batch.cache.layers[self.layer_id]
         rot = self.rotary.rotations(batch, "tokens", lambda: pos)
         q, _, iq, iw = self.project_qkv(x, pos, rot, pools["attn"], batch.token_rows(r))  # kv -> its cache rows
-        topk, num_compressed = None, 0
+        num_compressed = 0
         if self.compressor is not None:
             plan = batch.emission(r, 2 * r if self.compressor.overlap else r)
             states, index_states = self.compressor_states(x if x_fp32 is None else x_fp32)
@@ -234,11 +233,12 @@ class Attention(nn.Module):
             ix.compressor.store_states(pools["idx_kv"], pools["idx_score"], index_states, batch)
             ix.compressor.emit(pools["idx_kv"], pools["idx_score"], plan, entry_rot, pools["idx_keys"], plan.key_rows)
             key_rows = batch.memo(("key_rows", r), lambda: self.key_rows(batch, num_compressed))  # [T, C]
-            topk = ops.indexer_topk(iq, iw, pools["idx_keys"], None, batch.visible(r), ix.topk, ix.head_dim ** -0.5,
-                                    ix.n_heads ** -0.5, key_rows)
-            indices = self.indices(batch, topk)
+            # the window rows and this layer's choice: the select launch writes the lists (`chosen_rows`)
+            lists = (batch.sliding_rows(self.window, r), batch.entry_table(r), batch.req_idx)
+            indices = ops.indexer_topk(iq, iw, pools["idx_keys"], None, batch.visible(r), ix.topk, ix.head_dim ** -0.5,
+                                       ix.n_heads ** -0.5, key_rows, lists)
         else:  # sliding and heavily compressed layers: the same lists for every layer of the ratio
-            indices = batch.memo(("indices", r), lambda: self.indices(batch, None))
+            indices = batch.memo(("indices", r), lambda: self.indices(batch))
         o = ops.sparse_attention(q, pools["attn"], indices, self.attn_sink, self.scale)
         return self.project_out(o, pos, rot)
 
@@ -252,12 +252,10 @@ class Attention(nn.Module):
         w = 2 * self.compressor.wkv.weight.shape[0]
         return states[:, :w], (states[:, w:] if self.indexer is not None else None)
 
-    def indices(self, batch: ForwardBatch, topk: torch.Tensor | None) -> torch.Tensor:
-        """`ops.paged_attention_indices` from the step's pieces (`batch`: the window rows shared by every ratio, the
-        entry tables by every layer of one): CSA lists are the window and this layer's choice (one op)."""
+    def indices(self, batch: ForwardBatch) -> torch.Tensor:
+        """`ops.paged_attention_indices` of a sliding or heavily compressed layer from the step's pieces (`batch`: the
+        window rows shared by every ratio); CSA layers' lists come from their indexer (`indexer_topk(..., lists)`)."""
         window = batch.sliding_rows(self.window, self.ratio)
-        if topk is not None:
-            return chosen_rows(window, batch.entry_table(self.ratio), batch.req_idx, topk)
         if self.ratio <= 1:
             return window
         return torch.cat([window, batch.visible_entry_rows(self.ratio)], dim=1)  # HCA: every visible entry

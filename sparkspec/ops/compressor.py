@@ -77,12 +77,19 @@ def indexer_topk(
     scale: float,
     weight_scale: float = 1.0,  # w = weights (in fp32) · weight_scale: the head weights' factor, taken here
     key_rows: torch.Tensor | None = None,  # [R or T, C] rows of keys, then a pool [S, id]: keys[key_rows] are the keys
+    lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (window rows [T, W], entry table, req [T])
 ) -> torch.Tensor:
     """Lightning indexer: score[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[r(t), j])·scale, keep the top `topk` visible
     entries -> [T, topk] int64 entry ids, -1 padded (ties broken towards the lower id). With `key_rows` the keys
-    are read from their pool through those rows (an accelerator gathers nothing first)."""
-    if key_rows is not None:
-        keys = keys[key_rows]  # [R or T, C, id]
+    are read from their pool through those rows (an accelerator gathers nothing first). With `lists` the attention
+    index lists of the choice instead, `ops.indices.chosen_rows(*lists[:2], lists[2], ids)` -> [T, W + topk] (an
+    accelerator writes them from the select launch)."""
+    ids = _indexer_ids(q, weights, keys[key_rows] if key_rows is not None else keys, req_idx, num_visible, topk,
+                       scale, weight_scale)
+    return ids if lists is None else ops.chosen_rows(lists[0], lists[1], lists[2], ids)
+
+
+def _indexer_ids(q, weights, keys, req_idx, num_visible, topk, scale, weight_scale):
     T, C = q.shape[0], keys.shape[1]
     k = min(topk, C)
     if k == 0:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparkspec.ops.registry import accelerated
+from sparkspec.ops.registry import accelerated, ops
 from sparkspec.ops.triton_kernels.common import check, next_pow2, on_interpreter, same_device
 
 
@@ -319,14 +319,23 @@ def _indexer_scores_kernel(
 @triton.jit
 def _topk_select_kernel(
     scores_ptr,  # [T, C] fp32 (-inf: not visible)
-    out_ptr,  # [T, topk] int64 chosen entries, -1 padded
+    out_ptr,  # [T, topk] int64 chosen entries, -1 padded; with LISTS [T, W + topk] int64 index lists
+    window_ptr,  # [T, W] int64 window rows (read only with LISTS; row stride stride_w)
+    table_ptr,  # [R, E + 1] int64 entry rows then -1 (read only with LISTS; row stride stride_tab)
+    req_ptr,  # [T] request of each query (read only with LISTS)
     num_entries,  # C
     k,  # min(topk, C)
     topk,
+    window,  # W (0 without LISTS)
+    stride_w,
+    stride_tab,
+    table_entries,  # E: the table's -1 column
     BLOCK_C: tl.constexpr,  # >= C, a power of two
+    LISTS: tl.constexpr,  # write the window rows, then the chosen entries' table rows (`chosen_rows`)
 ):
     """One row: the stable descending sort of `torch.sort` by one bitonic sort of int64 keys (the score's bits,
-    made monotone, above the reversed entry id: equal scores keep id order), -inf entries -> -1."""
+    made monotone, above the reversed entry id: equal scores keep id order), -inf entries -> -1. With LISTS the
+    row's attention index list instead: its window rows, then table[req, id] (-1 ids: the table's -1 column)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     s = tl.load(scores_ptr + t * num_entries + cols, mask=cols < num_entries, other=float("-inf"))
@@ -337,10 +346,17 @@ def _topk_select_kernel(
     key = tl.sort(key, descending=True)
     ids = 4294967295 - (key & 4294967295)
     ids = tl.where((key >> 32) <= -2139095041, -1, ids)  # -2139095041: -inf's monotone bits
-    tl.store(out_ptr + t * topk + cols, ids, mask=cols < k)
-    for j0 in range(0, topk, BLOCK_C):  # pads past k (when C < topk)
+    row = out_ptr + t * (window + topk)
+    if LISTS:
+        for w0 in range(0, window, BLOCK_C):
+            ws = w0 + cols
+            tl.store(row + ws, tl.load(window_ptr + t * stride_w + ws, mask=ws < window), mask=ws < window)
+        r = tl.load(req_ptr + t).to(tl.int64)
+        ids = tl.load(table_ptr + r * stride_tab + tl.where(ids >= 0, ids, table_entries), mask=cols < k, other=-1)
+    tl.store(row + window + cols, ids, mask=cols < k)
+    for j0 in range(0, topk, BLOCK_C):  # pads past k (when C < topk): -1, an id or a row
         js = j0 + cols
-        tl.store(out_ptr + t * topk + js, tl.full([BLOCK_C], -1, tl.int64), mask=(js >= k) & (js < topk))
+        tl.store(row + window + js, tl.full([BLOCK_C], -1, tl.int64), mask=(js >= k) & (js < topk))
 
 
 TOPK_SELECT_MAX_ENTRIES = 4096  # C above: torch.sort (one program holds a row's keys in registers)
@@ -357,6 +373,7 @@ def indexer_topk(
     scale: float,
     weight_scale: float = 1.0,
     key_rows: torch.Tensor | None = None,  # [R or T, C] rows of keys (then a pool [S, id])
+    lists: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (window rows, entry table, req)
 ) -> torch.Tensor:
     """Triton twin of `ops.compressor.indexer_topk`: the scores in one launch (with `key_rows`, the keys read from
     their pool through the rows: no gather first), then the top-k by one more (a per-row bitonic sort giving
@@ -381,7 +398,10 @@ def indexer_topk(
     check(num_visible.shape == (T,), f"indexer_topk: num_visible must be [{T}], got {tuple(num_visible.shape)}")
     check(same_device(q, weights, keys, num_visible), "indexer_topk: one device for all")
     k = min(topk, C)
-    if k == 0 or T == 0:
+    if k == 0 or T == 0 or (lists is not None and C > TOPK_SELECT_MAX_ENTRIES):  # lists from the ids
+        if lists is not None:
+            ids = indexer_topk(q, weights, keys, req_idx, num_visible, topk, scale, weight_scale, key_rows)
+            return ops.chosen_rows(lists[0], lists[1], lists[2], ids)
         return torch.full((T, topk), -1, dtype=torch.long, device=q.device)
     split = q.dtype == torch.bfloat16 and keys.dtype in (torch.float32, torch.bfloat16)
     keys = keys if keys.dtype in (torch.float32, torch.bfloat16) else keys.float()
@@ -407,7 +427,21 @@ def indexer_topk(
         values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
         ids = torch.where(values[:, :k] > float("-inf"), order[:, :k], -1)
         return ids if k == topk else torch.nn.functional.pad(ids, (0, topk - k), value=-1)
-    ids = torch.empty(T, topk, dtype=torch.long, device=q.device)
     block = max(next_pow2(C), 16)
-    _topk_select_kernel[(T,)](scores, ids, C, k, topk, BLOCK_C=block, num_warps=4 if block <= 1024 else 8)
-    return ids
+    if lists is None:
+        ids = torch.empty(T, topk, dtype=torch.long, device=q.device)
+        _topk_select_kernel[(T,)](scores, ids, ids, ids, ids, C, k, topk, 0, 0, 0, 0, BLOCK_C=block, LISTS=False,
+                                  num_warps=4 if block <= 1024 else 8)
+        return ids
+    window_rows, table, req = lists
+    check(window_rows.dim() == 2 and window_rows.shape[0] == T and table.dim() == 2 and req.shape == (T,)
+          and window_rows.dtype == table.dtype == torch.int64,
+          f"indexer_topk: lists must be (window rows [{T}, W] int64, entry table [R, E + 1] int64, req [{T}]), got "
+          f"{tuple(window_rows.shape)}, {tuple(table.shape)}, {tuple(req.shape)}")
+    window_rows, table = (x if x.stride(-1) == 1 else x.contiguous() for x in (window_rows, table))
+    W = window_rows.shape[1]
+    out = torch.empty(T, W + topk, dtype=torch.long, device=q.device)
+    _topk_select_kernel[(T,)](scores, out, window_rows, table, req, C, k, topk, W, window_rows.stride(0),
+                              table.stride(0), table.shape[1] - 1, BLOCK_C=block, LISTS=True,
+                              num_warps=4 if block <= 1024 else 8)
+    return out
