@@ -319,17 +319,18 @@ def _mhc_post_mix_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
     for j in tl.static_range(NP):  # output stream j
-        j_ok = (tl.zeros([1], dtype=tl.int32) + j) < n  # [1]: a mask, compiled or interpreted
-        post_j = tl.load(post_ptr + t64 * n + j, mask=tok_ok & j_ok, other=0.0)  # [BLOCK_T]
+        live = tok_ok & ((toks * 0 + j) < n)  # [BLOCK_T]: stream j exists (a block mask, compiled or interpreted)
+        post_j = tl.load(post_ptr + t64 * n + j, mask=live, other=0.0)  # [BLOCK_T]
         comb_j = tl.load(comb_ptr + t64[:, None] * n * n + i[None, :] * n + j,
-                         mask=tok_ok[:, None] & i_ok[None, :] & j_ok, other=0.0)  # [BLOCK_T, NP(i)]
+                         mask=live[:, None] & i_ok[None, :], other=0.0)  # [BLOCK_T, NP(i)]
         s = post_j[:, None] * y + tl.sum(comb_j[:, :, None] * x, axis=1)  # [BLOCK_T, BLOCK_HD]
         s = s.to(out_ptr.dtype.element_ty)
-        ok = tok_ok[:, None] & h_ok[None, :] & j_ok
+        ok = live[:, None] & h_ok[None, :]
         tl.store(out_ptr + t64[:, None] * n * hidden + j * hidden + hs[None, :], s, mask=ok)
         r = tl.where(ok, s.to(tl.float32), 0.0)
         w = tl.load(fn_ptr + mixes[:, None] * stride_fm + j * hidden + hs[None, :],
-                    mask=(mixes[:, None] < num_mix) & h_ok[None, :] & j_ok, other=0.0)  # [BLOCK_M, BLOCK_HD]
+                    mask=((mixes < num_mix) & ((mixes * 0 + j) < n))[:, None] & h_ok[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_HD]
         acc = tl.dot(r, tl.trans(w), acc, input_precision="ieee")
         sumsq += tl.sum(r * r, axis=1)
     row = split.to(tl.int64) * num_tokens + toks
