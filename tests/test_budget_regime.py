@@ -250,3 +250,48 @@ def test_a_new_bucket_starts_where_the_one_below_ended():
             assert budget.plain_won_below(64) and ks == [0] * 40
         else:
             assert not budget.plain_won_below(64) and ks[-10:] == [K] * 10  # the table's choice after the probes
+
+
+# H200, demo pair, bf16 graphs (`bench offline`'s levels, one trace): per c, a plain step's ms and tokens, a drafting
+# step's ms and mean produced tokens, and the drafter's share of a drafting step (ms)
+H200_STEPS = {1: (1.02, 1, 2.2, 3.1, 0.9), 16: (1.5, 16, 3.3, 44, 1.2), 64: (1.55, 64, 5.8, 198, 1.5),
+              256: (4.3, 256, 17.2, 740, 4.0)}
+
+
+def test_short_levels_at_the_h200_step_costs_stay_within_5_percent_of_the_better_arm():
+    """`bench offline`'s four levels in turn (c = 1, 16, 64, 256; an untimed warm-up of 8·c tokens, then max(2c, 4)
+    requests x 64 tokens) on one budget, with the step costs traced on the H200 and the steps filed as async
+    scheduling files them (the first plain step of a stretch is a launch: `skip_step`); transitions cost a plain
+    step plus the drafter, or a drafting step without it. The device-only table says draft at every c. Drafting
+    wins at c = 1 and 16, plain decoding at 64 and 256; the levels are ~40-130 steps long, so a budget that probes
+    the losing arm too long, or too often, falls below 0.95 (before the probe backoff: 0.938 at c = 64)."""
+    clock = FakeClock()
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    table = CostTable({r: [(r, 0.0008 + r * 2e-6), (r * 8, 0.0012 + r * 1e-5)] for r in sizes},
+                      [(r, 0.0005 + r * 2e-6) for r in sizes])
+    budget = VerificationBudget("adaptive", 7, table, padded=True, clock=clock)
+    for _ in range(300):
+        budget.observe(7, 2)
+
+    def level(c: int, num_tokens: int) -> float:
+        plain_ms, plain_tok, spec_ms, spec_tok, draft_ms = H200_STEPS[c]
+        made, start, proposed, was_plain = 0.0, clock.now, 0, False
+        while made < num_tokens:
+            budget.step_boundary()
+            k = budget.next_num_drafts(c, c, c)
+            budget.note_step(c, 7 * c if proposed else 0, k)
+            plain = not proposed and not k
+            if plain and not was_plain:
+                budget.skip_step()
+            ms, tok = {(True, True): (spec_ms, spec_tok), (True, False): (spec_ms - draft_ms, spec_tok),
+                       (False, True): (plain_ms + draft_ms, plain_tok), (False, False): (plain_ms, plain_tok)}[
+                (proposed > 0, k > 0)]
+            clock.now += ms / 1e3
+            budget.note_tokens(round(tok))
+            made, proposed, was_plain = made + tok, k, plain
+        return made / (clock.now - start)
+
+    for c, (plain_ms, plain_tok, spec_ms, spec_tok, _) in H200_STEPS.items():
+        level(c, 8 * c)
+        better = max(plain_tok / plain_ms, spec_tok / spec_ms) * 1e3
+        assert level(c, max(2 * c, 4) * 64) >= 0.95 * better, c
