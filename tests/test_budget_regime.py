@@ -295,3 +295,21 @@ def test_short_levels_at_the_h200_step_costs_stay_within_5_percent_of_the_better
         level(c, 8 * c)
         better = max(plain_tok / plain_ms, spec_tok / spec_ms) * 1e3
         assert level(c, max(2 * c, 4) * 64) >= 0.95 * better, c
+
+
+@pytest.mark.parametrize("spec_tokens", [2, 5])
+def test_plain_is_probed_early_only_where_drafting_does_not_lead_by_far(spec_tokens):
+    """c = 1 (the demo's first command on a CPU): the table says draft. Drafting runs first until it has samples of
+    its own; plain decoding is then probed at once only where drafting's measured tokens per second are below twice
+    the table's plain decoding (here 1 token / 15 ms): at 5 tokens a 25 ms step, drafting keeps every early step,
+    and no step is given to plain decoding before its interval; at 2 tokens, plain decoding is probed at once."""
+    clock = FakeClock()
+    table = CostTable({1: [(1, 0.015), (1 + K, 0.020)]}, [(1, 0.005)])
+    budget = VerificationBudget("adaptive", K, table, padded=True, clock=clock)
+    ks = run_loop(budget, clock, 1, lambda n, v, p: 0.025 if (v or p) else 0.015, 30,
+                  tokens=lambda n, v, p: spec_tokens if v else 1)
+    assert ks[:4] == [K] * 4  # drafting's own samples first (the first step only proposes)
+    if spec_tokens == 5:
+        assert ks == [K] * 30
+    else:
+        assert 0 in ks[4:8]

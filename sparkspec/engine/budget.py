@@ -276,7 +276,7 @@ class VerificationBudget:
 
     def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None, padded: bool = False,
                  clock: Callable[[], float] = time.perf_counter, min_samples: int = 2, probe_every: int = 32,
-                 probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 8):
+                 probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 8, trusted_margin: float = 2.0):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
@@ -297,6 +297,7 @@ class VerificationBudget:
         self.probe_len = probe_len
         self.max_first_probes = max_first_probes  # back-to-back probes of an arm that has no samples yet
         self.max_backoff = max_backoff  # a probe that confirms the choice doubles the interval, up to this factor
+        self.trusted_margin = trusted_margin  # the table's lead for drafting above which plain waits for its interval
         self._probes: dict[int, _Probe] = {}
         self._proposing = False  # the last `next_num_drafts` asked for drafts: padded steps verify them all
         self._step_start: float | None = None
@@ -406,18 +407,26 @@ class VerificationBudget:
 
     def next_num_drafts(self, num_reqs: int, num_base_tokens: int, num_running: int | None = None,
                         has_prompt: bool = False) -> int:
-        """Once per engine step: `plan_num_drafts`, except during a probe of the other arm. A probe starts every
-        `probe_every` decisions of a bucket (twice that where one arm is > 25 % ahead, four times where the bucket
-        below found plain decoding ahead), times a backoff factor: each probe after which the choice is the same as
-        before it doubles the factor (up to `max_backoff`), one after which the choice changed resets it to 1. So a
-        steady workload spends ever fewer steps on the arm that loses, and a change is still found. Right away (up
-        to `max_first_probes` times), plain decoding is probed while it has fewer samples than `StepTimes` trims
-        (drafting is not: the cost table times the device alone, which favours drafting, so where even the table
-        says plain, drafting waits for its interval; on the H200 demo pair at c = 256 the first probes of drafting
-        cost ~17 ms a step against ~4 ms for plain decoding, in a level of ~130 steps). A probe lasts `probe_len`
-        decisions. `num_running`: the request count that buckets the measurements (`note_step`'s). No probe
-        starts on a step that carries a prompt chunk (`has_prompt`): the next one most likely does too (prompts
-        arrive in bursts), and such steps are not filed (`note_step`), so the probe would measure nothing."""
+        """Once per engine step: `plan_num_drafts`, except during a probe of the other arm.
+
+        Regular probes: every `probe_every` decisions of a bucket (the first too: counted from the bucket's first
+        decision), twice that where one arm is > 25 % ahead, four times where the bucket below found plain decoding
+        ahead, times a backoff factor. Each probe after which the choice is the same as before it doubles the
+        factor (up to `max_backoff`); one after which the choice changed resets it to 1. So a steady workload
+        spends ever fewer steps on the arm that loses, and a change is still found.
+
+        First probes: right away (up to `max_first_probes` times), plain decoding is probed while it has fewer
+        samples than `StepTimes` trims, once drafting has that many of its own, unless drafting's measured tokens
+        per second are `trusted_margin` (2x) or more the table's plain decoding (the table leaves the host out,
+        which flatters plain decoding; the acceptance estimate behind the table's drafting still sits near its
+        prior then). Drafting gets no first probes: the cost table times the device alone, which favours
+        drafting, so where even the table says plain, drafting waits for its interval (on the H200 demo pair at
+        c = 256 the first probes of drafting cost ~17 ms a step against ~4 ms for plain decoding, in a level of
+        ~130 steps). A probe lasts `probe_len` decisions.
+
+        `num_running`: the request count that buckets the measurements (`note_step`'s). No probe starts on a step
+        that carries a prompt chunk (`has_prompt`): the next one most likely does too (prompts arrive in bursts),
+        and such steps are not filed (`note_step`), so the probe would measure nothing."""
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
         key = num_reqs if num_running is None else num_running
@@ -431,16 +440,20 @@ class VerificationBudget:
         if st.best_before is not None and not st.left:  # the probe has ended: did it change the choice?
             st.backoff = min(2 * st.backoff, self.max_backoff) if best == st.best_before else 1
             st.best_before = None
-        if st.last_start < 0 and st.num_started == 0 and (prior or best == "plain"):
-            st.last_start = st.num_decisions  # the first probe of drafting waits its interval too
+        if st.last_start < 0 and st.num_started == 0:
+            st.last_start = st.num_decisions  # a new bucket's first regular probe waits its interval too
         if not st.left and not has_prompt:
             other: Arm = "plain" if best == "spec" else "spec"
             since = st.num_decisions - st.last_start
             # until the arm has the samples that let its slowest one be dropped (the first after a switch of arm
             # is often slow: on the H200 demo pair at c = 64, 4.1 ms against 2.0 for plain decoding's next two)
-            unseen = other == "plain" and self.step_times.count(key, other) < max(self.min_samples,
-                                                                                   self.step_times.min_trim)
             margin = theta[best] / max(theta[other], 1e-9)
+            # (only once drafting has samples of its own, and not where its measured tokens per second lead the
+            # table's plain decoding, which leaves the host out and so flatters plain, by `trusted_margin`; at c = 1
+            # on a CPU each early probe step of plain decoding gave 1 token where drafting gave ~4.7)
+            enough = max(self.min_samples, self.step_times.min_trim)
+            unseen = other == "plain" and self.step_times.count(key, other) < enough \
+                and self.step_times.count(key, best) >= enough and self._leads_by(key, theta["plain"]) is False
             # a clear loser is probed half as often, one the smaller request counts already rejected a quarter
             every = self.probe_every * st.backoff * (4 if prior else 2 if margin > 1.25 else 1)
             due = since >= every  # (only such probes move the backoff: the first ones measure, they confirm nothing)
@@ -455,6 +468,12 @@ class VerificationBudget:
         k = k_spec if arm == "spec" else 0
         self._proposing = k > 0
         return k
+
+    def _leads_by(self, key: int, plain_theta: float) -> bool | None:
+        """Whether drafting's measured tokens per second in `key`'s bucket lead `plain_theta` (the table's plain
+        decoding while plain is not measured) by `trusted_margin`; None where drafting's tokens are not known."""
+        spec = self.step_times.throughput(key, "spec")
+        return None if spec is None else spec >= self.trusted_margin * plain_theta
 
     def plain_won_below(self, num_reqs: int) -> bool:
         """At the largest smaller request-count bucket where both arms are measured, plain decoding produced more
