@@ -297,7 +297,7 @@ class VerificationBudget:
         self.probe_len = probe_len
         self.max_first_probes = max_first_probes  # back-to-back probes of an arm that has no samples yet
         self.max_backoff = max_backoff  # a probe that confirms the choice doubles the interval, up to this factor
-        self.trusted_margin = trusted_margin  # the table's lead for drafting above which plain waits for its interval
+        self.trusted_margin = trusted_margin  # drafting's measured lead over the table's plain: no first probes
         self._probes: dict[int, _Probe] = {}
         self._proposing = False  # the last `next_num_drafts` asked for drafts: padded steps verify them all
         self._step_start: float | None = None
@@ -453,7 +453,7 @@ class VerificationBudget:
             # on a CPU each early probe step of plain decoding gave 1 token where drafting gave ~4.7)
             enough = max(self.min_samples, self.step_times.min_trim)
             unseen = other == "plain" and self.step_times.count(key, other) < enough \
-                and self.step_times.count(key, best) >= enough and self._leads_by(key, theta["plain"]) is False
+                and self.step_times.count(key, best) >= enough and not self._leads_by(key, theta["plain"])
             # a clear loser is probed half as often, one the smaller request counts already rejected a quarter
             every = self.probe_every * st.backoff * (4 if prior else 2 if margin > 1.25 else 1)
             due = since >= every  # (only such probes move the backoff: the first ones measure, they confirm nothing)
@@ -469,11 +469,11 @@ class VerificationBudget:
         self._proposing = k > 0
         return k
 
-    def _leads_by(self, key: int, plain_theta: float) -> bool | None:
+    def _leads_by(self, key: int, plain_theta: float) -> bool:
         """Whether drafting's measured tokens per second in `key`'s bucket lead `plain_theta` (the table's plain
-        decoding while plain is not measured) by `trusted_margin`; None where drafting's tokens are not known."""
+        decoding while plain is not measured) by `trusted_margin` (False where drafting's tokens are not known)."""
         spec = self.step_times.throughput(key, "spec")
-        return None if spec is None else spec >= self.trusted_margin * plain_theta
+        return spec is not None and spec >= self.trusted_margin * plain_theta
 
     def plain_won_below(self, num_reqs: int) -> bool:
         """At the largest smaller request-count bucket where both arms are measured, plain decoding produced more
