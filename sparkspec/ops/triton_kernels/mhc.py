@@ -379,6 +379,23 @@ def _check_mix(name: str, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
     check(same_device(x, fn, base), f"{name}: all tensors must share a device")
 
 
+def _check_pre(name: str, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+               sinkhorn_iters: int) -> None:
+    n = x.shape[1] if x.dim() == 3 else 0
+    _check_mix(name, x, fn, base, (2 + n) * n)
+    check(scale.numel() == 3, f"{name}: scale must have 3 entries (pre, post, comb), got {scale.numel()}")
+    check(sinkhorn_iters >= 1, f"{name}: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+
+
+def _check_post(name: str, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
+    check(x.dim() == 3, f"{name}: x must be [T, n, H], got {tuple(x.shape)}")
+    T, n, H = x.shape
+    check(tuple(y.shape) == (T, H), f"{name}: y must be [{T}, {H}], got {tuple(y.shape)}")
+    check(tuple(post.shape) == (T, n), f"{name}: post must be [{T}, {n}], got {tuple(post.shape)}")
+    check(tuple(comb.shape) == (T, n, n), f"{name}: comb must be [{T}, {n}, {n}], got {tuple(comb.shape)}")
+    check(same_device(y, x, post, comb), f"{name}: all tensors must share a device")
+
+
 @accelerated("mhc_pre", "cuda", "rocm", "xpu")
 def mhc_pre(
     x: torch.Tensor,  # [T, n, H]
@@ -395,10 +412,7 @@ def mhc_pre(
     """Triton twin of `ops.mhc.mhc_pre` -> (layer_input [T, H] x.dtype, post [T, n] fp32, comb [T, n, n] fp32
     [, layer_input in fp32 with `fp32_copy`]); with `norm_weight` the sublayer's RMSNorm in the finish launch (one
     program per token block over all of H: no rms_norm launch after it), which stores the fp32 copy too."""
-    n = x.shape[1] if x.dim() == 3 else 0
-    _check_mix("mhc_pre", x, fn, base, (2 + n) * n)
-    check(scale.numel() == 3, f"mhc_pre: scale must have 3 entries (pre, post, comb), got {scale.numel()}")
-    check(sinkhorn_iters >= 1, f"mhc_pre: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    _check_pre("mhc_pre", x, fn, scale, base, sinkhorn_iters)
     T, n, H = x.shape
     x = x.contiguous()
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
@@ -469,12 +483,8 @@ def mhc_post(
     comb: torch.Tensor,  # [T, n, n]
 ) -> torch.Tensor:
     """Triton twin of `ops.mhc.mhc_post` (fp32 arithmetic, one rounding) -> [T, n, H] x.dtype."""
-    check(x.dim() == 3, f"mhc_post: x must be [T, n, H], got {tuple(x.shape)}")
+    _check_post("mhc_post", y, x, post, comb)
     T, n, H = x.shape
-    check(tuple(y.shape) == (T, H), f"mhc_post: y must be [{T}, {H}], got {tuple(y.shape)}")
-    check(tuple(post.shape) == (T, n), f"mhc_post: post must be [{T}, {n}], got {tuple(post.shape)}")
-    check(tuple(comb.shape) == (T, n, n), f"mhc_post: comb must be [{T}, {n}, {n}], got {tuple(comb.shape)}")
-    check(same_device(y, x, post, comb), "mhc_post: all tensors must share a device")
     out = torch.empty((T, n, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -489,15 +499,6 @@ def mhc_post(
 
 
 _POST_MIX_BLOCK_T = 16  # tokens per program of the fused post + split-K launch (tl.dot needs >= 16)
-
-
-def _check_post(name: str, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
-    check(x.dim() == 3, f"{name}: x must be [T, n, H], got {tuple(x.shape)}")
-    T, n, H = x.shape
-    check(tuple(y.shape) == (T, H), f"{name}: y must be [{T}, {H}], got {tuple(y.shape)}")
-    check(tuple(post.shape) == (T, n), f"{name}: post must be [{T}, {n}], got {tuple(post.shape)}")
-    check(tuple(comb.shape) == (T, n, n), f"{name}: comb must be [{T}, {n}, {n}], got {tuple(comb.shape)}")
-    check(same_device(y, x, post, comb), f"{name}: all tensors must share a device")
 
 
 @accelerated("mhc_post_pre", "cuda", "rocm", "xpu")
@@ -521,10 +522,7 @@ def mhc_post_pre(
     mhc_pre's finish launch -> (streams [T, n, H] x.dtype, layer_input [T, H], post [T, n], comb [T, n, n]
     [, layer_input in fp32 with `fp32_copy`])."""
     _check_post("mhc_post_pre", y, x, post, comb)
-    n = x.shape[1]
-    _check_mix("mhc_post_pre", x, fn, base, (2 + n) * n)
-    check(scale.numel() == 3, f"mhc_post_pre: scale must have 3 entries (pre, post, comb), got {scale.numel()}")
-    check(sinkhorn_iters >= 1, f"mhc_post_pre: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    _check_pre("mhc_post_pre", x, fn, scale, base, sinkhorn_iters)
     T, n, H = x.shape
     streams = torch.empty((T, n, H), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
