@@ -24,6 +24,24 @@ if DEVICE.type == "cpu":
     # per parallel kernel (seen with index_add_)
     torch.set_num_threads(1)
 
+def triton_kernels(*names: str) -> list:
+    """The modules `sparkspec.ops.triton_kernels.<name>` for a kernel test file, imported at its top: under the
+    Triton interpreter on a CPU (TRITON_INTERPRET=1 must be set before the process first imports triton),
+    compiled with SPARKSPEC_TEST_DEVICE=cuda. Where triton is not importable the calling module is skipped."""
+    import importlib
+
+    if DEVICE.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language as tl
+
+        if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
+            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
+        return [importlib.import_module(f"sparkspec.ops.triton_kernels.{name}") for name in names]
+    except ImportError as exc:
+        pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
+
+
 # Official-form config of a tiny model with every layer kind: sliding (0), CSA (4, with indexer), HCA (8),
 # one hash-routed MoE layer, 2 hc streams; window 8 so short sequences cross many windows and blocks.
 TINY_CONFIG: dict = {

@@ -6,24 +6,11 @@ SPARKSPEC_TEST_DEVICE=cuda the same tests run the compiled kernels (bf16 tensor-
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, triton_kernels
 
-if DEVICE.type == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process
-
-try:
-    import triton.language as tl
-
-    if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
-    from sparkspec.ops.triton_kernels import compressor as tri_comp
-    from sparkspec.ops.triton_kernels import head as tri_head
-except ImportError as exc:  # triton missing here
-    pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
+tri_comp, tri_head = triton_kernels("compressor", "head")
 
 from sparkspec.ops import compressor, head  # noqa: E402
 from sparkspec.ops.registry import _ACCEL  # noqa: E402

@@ -4,23 +4,11 @@ TRITON_INTERPRET=1 on a CPU (SPARKSPEC_TEST_DEVICE=cuda: compiled)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, triton_kernels
 
-if DEVICE.type == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process
-
-try:
-    import triton.language as tl
-
-    if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
-    from sparkspec.ops.triton_kernels import mhc as tri_mhc
-except ImportError as exc:
-    pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
+(tri_mhc,) = triton_kernels("mhc")
 
 from sparkspec.ops import mhc, rope  # noqa: E402
 

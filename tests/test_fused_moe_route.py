@@ -4,25 +4,12 @@ PyTorch references. Kernels run under TRITON_INTERPRET=1 on a CPU (SPARKSPEC_TES
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, triton_kernels
 from torch import nn
 
-if DEVICE.type == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process
-
-try:
-    import triton.language as tl
-
-    if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
-    from sparkspec.ops.triton_kernels import moe_route as tri
-    from sparkspec.ops.triton_kernels import rope as tri_rope
-except ImportError as exc:
-    pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
+tri, tri_rope = triton_kernels("moe_route", "rope")
 
 from sparkspec.models.fused_linear import fused_linear, stacked_linear, stacked_weight  # noqa: E402
 from sparkspec.ops import moe, rope  # noqa: E402

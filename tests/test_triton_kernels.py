@@ -8,26 +8,11 @@ the bf16-exact operands; values under 1/4 get the ulp at 1/4 because sums of ±t
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import DEVICE  # SPARKSPEC_TEST_DEVICE=cuda runs the compiled kernels on a GPU
+from conftest import DEVICE, triton_kernels  # SPARKSPEC_TEST_DEVICE=cuda runs the compiled kernels on a GPU
 
-if DEVICE.type == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton in this process
-
-try:
-    import triton.language as tl
-
-    if DEVICE.type == "cpu" and type(tl.sum).__name__ != "InterpretedFunction":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (import it lazily)")
-    from sparkspec.ops.triton_kernels import attention as tri_attn
-    from sparkspec.ops.triton_kernels import compressor as tri_comp
-    from sparkspec.ops.triton_kernels import mhc as tri_mhc
-    from sparkspec.ops.triton_kernels import rope as tri_rope
-except ImportError as exc:  # triton missing here
-    pytest.skip(f"triton not importable: {exc}", allow_module_level=True)
+tri_attn, tri_comp, tri_mhc, tri_rope = triton_kernels("attention", "compressor", "mhc", "rope")
 
 from sparkspec.ops import attention, compressor, indices, mhc, rope  # noqa: E402
 from sparkspec.ops.registry import _ACCEL  # noqa: E402
