@@ -83,6 +83,23 @@ def test_one_request_prefill_runs_as_a_static_step(method, temperature):
             assert {k.num_drafts for k in prefill_keys} == {3}
 
 
+def test_prefill_graphs_compute_the_logits_of_the_sampled_rows_only():
+    """A prefill graph samples each request's last row: the head runs on its R rows, not on all R·q (at a 129k
+    vocabulary and R·q = 32k that was a 17 GB logits tensor per graph, and an int32 overflow in the head kernel),
+    while decode / verify graphs keep logits on every row. Tokens equal the dynamic steps'."""
+    cfg, model, tensors = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, [3, 9, 17, 30, 5], seed=9)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in engine(model, tensors, method="dspark").generate(prompts, params)]
+    eng = engine(model, tensors, method="dspark", static=True)
+    used, logits_rows, decode = record_keys(eng), [], eng.runner.decode
+    eng.runner.decode = lambda batch, out, *a: logits_rows.append(out.logits.shape[0]) or decode(batch, out, *a)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert len(used) == len(logits_rows)
+    assert any(k.q > k.draft_cols + 1 for k in used) and any(k.q == k.draft_cols + 1 for k in used)
+    assert logits_rows == [k.num_reqs if k.q > k.draft_cols + 1 else k.num_reqs * k.q for k in used]
+
+
 @pytest.mark.parametrize("method", ["none", "dspark", "mtp"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_prompts_of_several_requests_run_as_one_static_step(method, temperature):

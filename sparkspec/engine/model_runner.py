@@ -337,13 +337,21 @@ class ModelRunner:
         return batch, self.model(batch, **self.capture), p.upload.split(batch._memo["extra"])
 
     def graph_step(self, key: GraphKey, batch, dev: dict) -> DecodeOutput:
-        """The body of a captured step: forward, accept, draft (no logits kept: graph steps return no logprobs)."""
+        """The body of a captured step: forward, accept, draft (no logits kept: graph steps return no logprobs).
+
+        A decode / verify graph needs logits on every row. A prefill graph samples one row per request out of its
+        R·q, so the head runs on the gathered rows only: at R·q = 32k rows and a 129k vocabulary the logits of
+        every row would be 17 GB and most of the step's FLOPs."""
+        gathered = key.q > key.draft_cols + 1
+        if gathered:
+            batch.logits_rows = dev["gather"]
         res = self.decode(batch, self.model(batch, **self.capture), dev, key.num_reqs, key.draft_cols, key.mode,
-                          key.num_drafts)
+                          key.num_drafts, gathered)
         res.logits = res.sampling = None
         return res
 
-    def decode(self, batch, out, dev: dict, S: int, K: int, mode: str, num_drafts: int) -> DecodeOutput:
+    def decode(self, batch, out, dev: dict, S: int, K: int, mode: str, num_drafts: int,
+               gathered: bool = False) -> DecodeOutput:
         """Accept on every sampling request at once; the device drafter then writes the step's rows into its
         context, and proposes `num_drafts` after each new pending token (its q goes to `q_store`).
 
@@ -351,7 +359,7 @@ class ModelRunner:
         plain arm, a request that asks for no drafts) still leaves its positions' rows in the drafter's pools, or the
         first drafts after a plain stretch would read stale rows there (lossless still, but on the H200 demo pair
         the adaptive budget's drafting arm then looked worse than plain decoding at c = 1 and was turned off)."""
-        tokens, num_accepted, is_finite, st, logits = self.accept(out, dev, S, K, mode)
+        tokens, num_accepted, is_finite, st, logits = self.accept(out, dev, S, K, mode, gathered)
         res = DecodeOutput(tokens, num_accepted, is_finite, logits=logits, sampling=st)
         if self.drafts_on_device:
             step = self.step_rows(batch, out, dev, tokens, num_accepted, st, K)
@@ -363,16 +371,17 @@ class ModelRunner:
                     self.q_store[:S, :num_drafts].copy_(proposal.probs)
         return res
 
-    def accept(self, out, dev: dict, S: int, K: int, mode: str):
+    def accept(self, out, dev: dict, S: int, K: int, mode: str, gathered: bool = False):
         """The rejection sampler on every sampling request at once -> (tokens [S, K+1], num_accepted [S],
         is_finite [S], sampling tensors, logits [S, K+1, V]). Temperatures arrive packed by
-        `SamplingParams.device_temperature` (0 for greedy requests)."""
+        `SamplingParams.device_temperature` (0 for greedy requests). `gathered`: the forward computed the logits of
+        the `gather` rows only, in that order (a prefill graph)."""
         all_greedy, any_top_k, any_top_p = MODE_FLAGS[mode]
         gumbel = dev["gumbel"].bool() if self.scheme == "auto" else self.scheme == "gumbel"  # [S] or all rows
         st = SamplingTensors(dev["temperature"].view(torch.float64).float(), dev["top_k"],
                              dev["top_p"].view(torch.float64).float(), dev["seeds"], all_greedy, any_top_k, any_top_p,
                              gumbel=gumbel)
-        logits = out.logits[dev["gather"]].view(S, K + 1, -1)  # [S, K+1, V]
+        logits = (out.logits if gathered else out.logits[dev["gather"]]).view(S, K + 1, -1)  # [S, K+1, V]
         bitmask = dev.get("token_bitmask")  # [S, K+1, W] structured output (eager steps only)
         if bitmask is not None:  # -inf outside each verified row's grammar mask
             logits = apply_token_bitmask(logits, bitmask)
