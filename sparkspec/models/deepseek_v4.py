@@ -181,9 +181,11 @@ class Attention(nn.Module):
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
         return self.rotary.apply(q, positions, rot=rot, norm=self.cfg.rms_norm_eps), qr
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None) -> torch.Tensor:
-        """-> kv [T, D]: the shared K = V latent, normalised, RoPE at `positions`."""
-        return self.rotary.apply(self.wkv(x), positions, rot=rot, norm=self.kv_norm)
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """-> kv [T, D]: the shared K = V latent, normalised, RoPE at `positions`; with `out` / `out_rows` its rows
+        go to out[out_rows] in the same launch (a pool write) -> out."""
+        return self.rotary.apply(self.wkv(x), positions, rot=rot, norm=self.kv_norm, out=out, out_rows=out_rows)
 
     def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None,
                     kv_pool: torch.Tensor | None = None, kv_rows: torch.Tensor | None = None,
@@ -435,7 +437,7 @@ class DeepseekV4Model(nn.Module):
             out = layer(x, batch.positions, batch.input_ids, lambda h, *h32, a=layer.attn: a(h, batch, *h32), pre, nxt)
             x, pre = out if nxt is not None else (out, None)
             if i in tap_layers:
-                taps.append(x.float().mean(dim=1))
+                taps.append(x.mean(dim=1, dtype=torch.float32))  # one launch: the upcast inside the reduction
         hidden = self.collapse(x)
         rows = hidden if batch.logits_rows is None else hidden[batch.logits_rows]
         return ModelOutput(

@@ -187,6 +187,15 @@ class DSparkDraftModel(nn.Module):
         """main_x [T, H] at `positions` [T] -> per stage context K=V rows [T, D] (own wkv/kv_norm + RoPE)."""
         return [stage.attn.project_kv(main_x, positions) for stage in self.mtp]
 
+    def store_context(self, main_x: torch.Tensor, batch, pools: list[torch.Tensor], rows: torch.Tensor) -> None:
+        """`context_kv` at the batch's positions written straight into each stage's pool at `rows`: the RoPE launch
+        stores them (no separate copy), and the rotation is the batch's, computed once per forward for every module
+        with the same frequencies (the stages, and the target's layers that share them)."""
+        pos = batch.positions
+        for stage, pool in zip(self.mtp, pools):
+            rot = stage.attn.rotary.rotations(batch, "tokens", lambda: pos)
+            stage.attn.project_kv(main_x, pos, rot, out=pool, out_rows=rows)
+
     # ---- heads ----
     def markov_logits(self, base_logits: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """U [..., V] + markov_w2 · markov_w1[prev] -> [..., V] fp32."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
+from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.dspark import DSparkDraftModel, calibrated_confidences
 from sparkspec.ops.sampling import DEFAULT_GUMBEL_DRAFT_TEMPERATURE, STREAM_DRAFT, sample_draft
 from sparkspec.spec_decode.proposer import DeviceProposer, DraftBatch, StepRows
@@ -67,10 +67,7 @@ class DSparkProposer(DeviceProposer):
 
     def observe(self, step: StepRows) -> None:
         b = step.batch
-        ctx = self.drafter.context_kv(self.drafter.main_x(step.output.taps), b.positions)  # per stage [T, D]
-        rows = b.state_rows()  # [T] per-position pool rows
-        for pool, kv in zip(self.pools, ctx):
-            store(pool, rows, kv)
+        self.drafter.store_context(self.drafter.main_x(step.output.taps), b, self.pools, b.state_rows())
 
     def propose(self, step: StepRows, k: int) -> DraftBatch:
         d, R, W = self.drafter, step.reqs.shape[0], self.window

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from sparkspec.models.deepseek_v4 import DeepseekV4Model, store
+from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.mtp import MTPDraftModel
 from sparkspec.ops import ops
 from sparkspec.ops.indices import paged_attention_indices
@@ -45,11 +45,12 @@ class MTPProposer(DeviceProposer):
     def observe(self, step: StepRows) -> None:
         b, pool = step.batch, self.pools[0]
 
-        def attend(a, h, pos):
-            q, _ = a.project_q(h, pos)
-            store(pool, b.state_rows(), a.project_kv(h, pos))
+        def attend(a, h, pos):  # pos: the batch's positions, so the batch's rotation (computed once per forward)
+            rot = a.rotary.rotations(b, "tokens", lambda: pos)
+            q, _ = a.project_q(h, pos, rot)
+            a.project_kv(h, pos, rot, out=pool, out_rows=b.state_rows())  # the rows go to the pool in the RoPE launch
             idx = paged_attention_indices(pos, b.req_idx, b.block_tables, b.block_size, self.window, 1, None, 0)
-            return a.project_out(ops.sparse_attention(q, pool, idx, a.attn_sink, a.scale), pos)
+            return a.project_out(ops.sparse_attention(q, pool, idx, a.attn_sink, a.scale), pos, rot)
 
         self._streams = self.drafter.forward_rows(0, self.target.embed, step.output.final_streams, step.next_ids,
                                                   b.positions, attend)
