@@ -271,5 +271,29 @@ def test_demo_bf16_greedy_tokens_do_not_depend_on_batch_or_speculation():
         pytest.skip("checkpoints/demo is not here")
     ckpt = load_checkpoint(demo, device="cuda", dtype="bfloat16")
     prompts = identity_prompts(ckpt.tokenizer, 5)[:16]
-    diff = identity_counts(ckpt, prompts, 64, ("dspark", "mtp", "ngram"), True, {"dspark": 7})
+    diff = identity_counts(ckpt, prompts, 64, ("dspark", "mtp", "ngram"), True, {"dspark": 7},
+                           budgets=("fixed", "adaptive"))
+    assert len(diff) == 7 and all(not bad for bad in diff.values()), diff
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bench_1b_bf16_greedy_tokens_do_not_depend_on_the_batch():
+    """bench-1b with random weights in bf16: 16 random prompts x 64 greedy tokens decoded alone and inside a batch
+    of 64 mixed requests, plain, DSpark (random drafter) and n-gram under both budgets: the same tokens."""
+    from sparkspec.bench.identity import random_identity_counts
+
+    diff = random_identity_counts("bench-1b", "cuda", "bfloat16", 16, 64, 64, ("dspark", "ngram"),
+                                  ("fixed", "adaptive"), True)
+    assert len(diff) == 5 and all(not bad for bad in diff.values()), diff
+
+
+def test_random_identity_counts_compare_every_setting_with_decoding_alone():
+    """The identity harness on the tiny preset in fp32 on the CPU: every setting is run, and each gives the tokens
+    of decoding alone (fp32 on the CPU: a lossless defect in any of them shows up here)."""
+    from sparkspec.bench.identity import random_identity_counts
+
+    diff = random_identity_counts("tiny", "cpu", "float32", 3, 5, 6, ("dspark", "ngram"), ("fixed", "adaptive"),
+                                  False, log=lambda *_: None)
+    assert sorted(diff) == ["dspark", "dspark adaptive", "ngram", "ngram adaptive", "none batch"]
     assert all(not bad for bad in diff.values()), diff
