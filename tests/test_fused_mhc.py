@@ -76,14 +76,31 @@ def test_native_is_post_then_pre():
 
 
 def test_rows_do_not_depend_on_the_batch():
-    """A token's outputs are the same alone as among 37 others (the split count is fixed by H)."""
+    """Batch-invariant mode: a token's outputs are the same alone as among 37 others (the split count is fixed by
+    H, and every T takes the one-token programs)."""
+    from sparkspec.ops.batch_invariant import batch_invariant
+
     args = _inputs(37, 4, 96, torch.bfloat16, seed=3)
     y, x, post, comb, fn, scale, base, w = args
-    full = tri_mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
-    one = tri_mhc.mhc_post_pre(y[20:21], x[20:21], post[20:21], comb[20:21], fn, scale, base, 1e-6, 1e-6, 20, w,
-                               1e-6)
+    with batch_invariant(dispatch_keys=()):
+        assert tri_mhc.post_mix_config(37, 96) == tri_mhc.post_mix_config(1, 96)
+        full = tri_mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+        one = tri_mhc.mhc_post_pre(y[20:21], x[20:21], post[20:21], comb[20:21], fn, scale, base, 1e-6, 1e-6, 20,
+                                   w, 1e-6)
     for a, b in zip(full, one):
         assert torch.equal(a[20:21], b)
+
+
+def test_decode_tokens_take_the_one_token_programs():
+    """Below 16 tokens the stream update runs one token per program without tl.dot; from 16 the dot tile. Both
+    agree with each other to the order of the fp32 sums (the oracle tests above check each against the natives)."""
+    assert tri_mhc.post_mix_config(1, 4096)[::2] == (1, False)
+    assert tri_mhc.post_mix_config(15, 4096)[2] is False and tri_mhc.post_mix_config(16, 4096)[2] is True
+    y, x, post, comb, fn, scale, base, w = _inputs(18, 4, 96, torch.float32, seed=4)
+    full = tri_mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)  # the dot tile
+    few = tri_mhc.mhc_post_pre(y[:3], x[:3], post[:3], comb[:3], fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+    for a, b in zip(full, few):
+        torch.testing.assert_close(a[:3], b, rtol=2e-5, atol=2e-5)
 
 
 def test_preconditions_are_messages():

@@ -297,10 +297,13 @@ def _mhc_post_mix_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_HD: tl.constexpr,
     NP: tl.constexpr,
+    DOT: tl.constexpr,  # the mixes by tl.dot (BLOCK_T >= 16), else as a product summed over the chunk
 ):
     """`_mhc_post_kernel` over a (token block, H chunk) tile, and the next mhc_pre's split-K pass on the streams it
     writes: split s holds columns j·H + s·BLOCK_HD .. of every stream j (the rounded values, as mhc_pre reads them),
-    so the finish launch follows with no `_mix_partial_kernel` between."""
+    so the finish launch follows with no `_mix_partial_kernel` between. Without DOT a program holds a few tokens
+    (one for a decode step) and no padding rows: `tl.dot` needs 16, and at one token its 16-row tile is what the
+    launch waits on."""
     split = tl.program_id(1)
     n = num_streams
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -331,7 +334,10 @@ def _mhc_post_mix_kernel(
         w = tl.load(fn_ptr + mixes[:, None] * stride_fm + j * hidden + hs[None, :],
                     mask=((mixes < num_mix) & ((mixes * 0 + j) < n))[:, None] & h_ok[None, :],
                     other=0.0)  # [BLOCK_M, BLOCK_HD]
-        acc = tl.dot(r, tl.trans(w), acc, input_precision="ieee")
+        if DOT:
+            acc = tl.dot(r, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc += tl.sum(r[:, None, :] * w[None, :, :].to(tl.float32), axis=2)
         sumsq += tl.sum(r * r, axis=1)
     row = split.to(tl.int64) * num_tokens + toks
     tl.store(part_ptr + row[:, None] * BLOCK_M + mixes[None, :], acc, mask=tok_ok[:, None])
@@ -499,6 +505,22 @@ def mhc_post(
 
 
 _POST_MIX_BLOCK_T = 16  # tokens per program of the fused post + split-K launch (tl.dot needs >= 16)
+_POST_MIX_ROWS_BLOCK_T = 1  # tokens per program without tl.dot
+_POST_MIX_ROWS_BLOCK_HD = 128  # H columns per program (and split) without tl.dot
+_POST_MIX_DOT_MIN_T = 16  # from this many tokens the launch uses tl.dot
+
+
+def post_mix_config(T: int, H: int, interpreted: bool = False) -> tuple[int, int, bool]:
+    """(tokens per program, H columns per program = per split, tl.dot) of `_mhc_post_mix_kernel` for T tokens. A
+    decode step's few tokens go one per program without `tl.dot` (its 16-row tile made the launch several times
+    slower at one token); from 16 tokens the dot tile. Batch-invariant mode takes the one-token programs at every
+    T: a token's sums then never depend on the others (one path, no padding rows), at the cost of reading the
+    mixes' weights once per token."""
+    if pinned() or T < _POST_MIX_DOT_MIN_T:
+        block_t, block_hd, dot = _POST_MIX_ROWS_BLOCK_T, _POST_MIX_ROWS_BLOCK_HD, False
+    else:
+        block_t, block_hd, dot = _POST_MIX_BLOCK_T, 64, True
+    return block_t, min(32 if interpreted else block_hd, max(next_pow2(H), 16)), dot
 
 
 @accelerated("mhc_post_pre", "cuda", "rocm", "xpu")
@@ -518,7 +540,8 @@ def mhc_post_pre(
     fp32_copy: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Triton twin of `ops.mhc.mhc_post_pre` in two launches instead of three: the stream update writes the next
-    mhc_pre's split-K partials too (one split per H chunk: a count fixed by H, so batch-invariant as it is), then
+    mhc_pre's split-K partials too (one split per H chunk: a count fixed by H; the token tile by `post_mix_config`),
+    then
     mhc_pre's finish launch -> (streams [T, n, H] x.dtype, layer_input [T, H], post [T, n], comb [T, n, n]
     [, layer_input in fp32 with `fp32_copy`])."""
     _check_post("mhc_post_pre", y, x, post, comb)
@@ -537,13 +560,13 @@ def mhc_post_pre(
     fn = fn if fn.stride(-1) == 1 else fn.contiguous()
     num_mix = fn.shape[0]
     block_m = max(next_pow2(num_mix), 16)
-    block_hd = min(32 if on_interpreter(x) else 64, max(next_pow2(H), 16))
+    block_t, block_hd, dot = post_mix_config(T, H, on_interpreter(x))
     splits = triton.cdiv(H, block_hd)
     part = torch.empty((splits, T, block_m), dtype=torch.float32, device=x.device)
     sumsq = torch.empty((splits, T), dtype=torch.float32, device=x.device)
-    _mhc_post_mix_kernel[(triton.cdiv(T, _POST_MIX_BLOCK_T), splits)](
+    _mhc_post_mix_kernel[(triton.cdiv(T, block_t), splits)](
         y, x, post, comb, fn, streams, part, sumsq, T, n, H, num_mix, y.stride(0), fn.stride(0),
-        BLOCK_T=_POST_MIX_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n), num_warps=4,
+        BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n), DOT=dot, num_warps=4,
     )
     _pre_finish(streams, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm_weight,
                 norm_eps, out, post_next, comb_next, out32)
