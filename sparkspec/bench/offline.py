@@ -157,7 +157,22 @@ def run_offline(args) -> list[dict]:
                   f"  prefix hits {row['prefix_cache_hit_rate']:.3f}"
                   + (f"  drafting {row['drafting_step_frac']:.2f}" if "drafting_step_frac" in row else "") + extra,
                   file=sys.stderr)
+        device = engine.runner.device
+        del engine  # before the next setting's engine is built: its graphs, pools and host objects go now
+        release(device)
     return rows
+
+
+def release(device) -> None:
+    """Collect what a finished setting's engine held, so the next one runs beside none of it."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def shared_prefix_prompts(tok, texts: list[str], prefix_tokens: int, limit: int) -> list[list[int]]:

@@ -371,6 +371,19 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return part, sumsq, splits, block_m
 
 
+_NORM_FINISH_ROWS = (1, 1024, 4)  # (tokens, H columns per loop step, warps) of a decode step's normed finish
+_NORM_FINISH_TILE = (8, 256, 4)  # the same from 16 tokens
+
+
+def norm_finish_config(T: int, H: int, interpreted: bool = False) -> tuple[int, int, int]:
+    """(tokens per program, H columns per loop step, warps) of the finish launch with the sublayer's norm (one
+    program per token block, over all of H). A decode step's tokens take one program each with wide H steps: at
+    one token the 8-token tile left 7/8 of every load and of the Sinkhorn masked, over H / 256 serial steps twice.
+    Batch-invariant mode takes the one-token programs at every T (a token's sums then never depend on others)."""
+    block_t, block_hd, warps = _NORM_FINISH_ROWS if pinned() or T < 16 else _NORM_FINISH_TILE
+    return block_t, min(64 if interpreted else block_hd, max(next_pow2(H), 16)), warps
+
+
 def _finish_grid(x: torch.Tensor) -> tuple[tuple[int, int], int]:
     T, _, H = x.shape
     block_hd = min(64 if on_interpreter(x) else 256, max(next_pow2(H), 16))
@@ -442,13 +455,16 @@ def _pre_finish(x, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, s
         check(norm_weight.numel() == H and norm_eps is not None,
               f"mhc_pre: norm_weight must have {H} entries and come with norm_eps, got {norm_weight.numel()}")
         norm_weight = norm_weight.contiguous()
-    grid, block_hd = _finish_grid(x)
-    grid = (grid[0], 1) if norm else grid
+    if norm:
+        block_t, block_hd, warps = norm_finish_config(T, H, on_interpreter(x))
+        grid = (triton.cdiv(T, block_t), 1)
+    else:
+        (grid, block_hd), block_t, warps = _finish_grid(x), _FINISH_BLOCK_T, 4
     _mhc_pre_finish_kernel[grid](
         x, part, sumsq, scale.float().contiguous(), base.float().contiguous(), out, post, comb,
         norm_weight if norm else out, out32 if out32 is not None else out, T, n, H, splits, float(rms_eps),
-        float(hc_eps), int(sinkhorn_iters), float(norm_eps or 0.0), BLOCK_T=_FINISH_BLOCK_T, BLOCK_M=block_m,
-        BLOCK_HD=block_hd, NP=next_pow2(n), NORM=norm, OUT32=out32 is not None, num_warps=4,
+        float(hc_eps), int(sinkhorn_iters), float(norm_eps or 0.0), BLOCK_T=block_t, BLOCK_M=block_m,
+        BLOCK_HD=block_hd, NP=next_pow2(n), NORM=norm, OUT32=out32 is not None, num_warps=warps,
     )
     if out32 is not None and not norm:  # the chunked collapse has no fp32 store: one copy (no caller does this)
         out32.copy_(out)
@@ -506,7 +522,7 @@ def mhc_post(
 
 _POST_MIX_BLOCK_T = 16  # tokens per program of the fused post + split-K launch (tl.dot needs >= 16)
 _POST_MIX_ROWS_BLOCK_T = 1  # tokens per program without tl.dot
-_POST_MIX_ROWS_BLOCK_HD = 128  # H columns per program (and split) without tl.dot
+_POST_MIX_ROWS_BLOCK_HD = 64  # H columns per program (and split) without tl.dot
 _POST_MIX_DOT_MIN_T = 16  # from this many tokens the launch uses tl.dot
 
 
