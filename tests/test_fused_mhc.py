@@ -84,6 +84,7 @@ def test_rows_do_not_depend_on_the_batch():
     y, x, post, comb, fn, scale, base, w = args
     with batch_invariant(dispatch_keys=()):
         assert tri_mhc.post_mix_config(37, 96) == tri_mhc.post_mix_config(1, 96)
+        assert tri_mhc.norm_finish_config(37, 96) == tri_mhc.norm_finish_config(1, 96)
         full = tri_mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
         one = tri_mhc.mhc_post_pre(y[20:21], x[20:21], post[20:21], comb[20:21], fn, scale, base, 1e-6, 1e-6, 20,
                                    w, 1e-6)
@@ -92,10 +93,12 @@ def test_rows_do_not_depend_on_the_batch():
 
 
 def test_decode_tokens_take_the_one_token_programs():
-    """Below 16 tokens the stream update runs one token per program without tl.dot; from 16 the dot tile. Both
-    agree with each other to the order of the fp32 sums (the oracle tests above check each against the natives)."""
+    """Below 16 tokens the stream update runs one token per program without tl.dot, and the normed finish one
+    token per program; from 16 the tiles. Both agree with each other to the order of the fp32 sums (the oracle
+    tests above check each against the natives)."""
     assert tri_mhc.post_mix_config(1, 4096)[::2] == (1, False)
     assert tri_mhc.post_mix_config(15, 4096)[2] is False and tri_mhc.post_mix_config(16, 4096)[2] is True
+    assert tri_mhc.norm_finish_config(1, 4096)[0] == 1 and tri_mhc.norm_finish_config(16, 4096)[0] > 1
     y, x, post, comb, fn, scale, base, w = _inputs(18, 4, 96, torch.float32, seed=4)
     full = tri_mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)  # the dot tile
     few = tri_mhc.mhc_post_pre(y[:3], x[:3], post[:3], comb[:3], fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
