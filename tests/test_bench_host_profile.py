@@ -114,6 +114,52 @@ def test_profiler_arithmetic_and_detach(monkeypatch):
     assert "forward" not in vars(engine.runner) and "run" not in vars(engine.runner.graphs)
 
 
+class AheadEngine(FakeEngine):
+    """Async scheduling's shape: the step reads the step launched before it (`PendingFetch.wait`) outside the
+    runner's execute."""
+
+    def step(self):
+        self.scheduler.schedule()
+        self.runner.execute()
+        step_io.PendingFetch.wait(None)  # patched to take 70 us below
+        self.commit()
+        self.scheduler.release_after_step()
+        self.emit()
+        self.clock.now += 4e-6
+        return []
+
+
+def test_a_wait_outside_execute_is_not_other(monkeypatch):
+    """The read of a step launched ahead waits outside `execute`: it is device wait, not unwrapped host work (it
+    was counted in `other`, which then grew with the device's step time)."""
+    clock = Clock()
+    engine = AheadEngine(clock)
+
+    def fetch(self):
+        clock.now += 50e-6
+        return {}
+
+    def wait(self):
+        clock.now += 70e-6
+        return {}
+
+    monkeypatch.setattr(step_io.Download, "fetch", fetch)
+    monkeypatch.setattr(step_io.PendingFetch, "wait", wait)
+    prof = HostProfiler(clock)
+    with prof.attach(engine):
+        t0 = clock.now
+        for _ in range(10):
+            engine.step()
+        wall = clock.now - t0
+    assert step_io.PendingFetch.wait is wait
+    s = prof.summary(wall)
+    ph = s["phase_us_per_step"]
+    assert ph["device_wait"] == pytest.approx(120, abs=0.2)
+    assert ph["other"] == pytest.approx(4, abs=0.2)
+    step_us = 10 + 30 + 50 + 70 + 20 + 1 + 5 + 4
+    assert s["host_us_per_step"] == pytest.approx(step_us - 120, abs=0.2)
+
+
 def test_profile_host_on_the_demo(tmp_path, capsys):
     from sparkspec.cli import main
     from sparkspec.paths import DEFAULT_MODEL

@@ -15,7 +15,7 @@ Definitions (per concurrency level; `steps` = `LLMEngine.step` calls that schedu
                         and when it returns (after the copy), summed / level wall time; an upper bound on the
                         device's busy time (launch gaps inside the step count as busy). CPU: the device is the host
                         and busy = time in `execute` / wall.
-  * phases              us per step in each wrapped piece, `other` = the rest of `step`, `outside` = the caller's
+  * phases              us per step in each wrapped piece, `other` = the rest of `step` (no device wait), `outside` = the caller's
                         loop between steps (adding requests, reading outputs)
   * forwards            per step: graph replays (`graph_replays`, a split step replays several) and eager forwards
                         (`eager_forwards`, with `eager_us`: host us per step inside them, where launch-bound eager
@@ -43,6 +43,18 @@ class HostProfiler:
         self.num_eager = 0
         self.eager_seconds = 0.0
         self._cuda = False
+        self._executing = False  # inside the runner's execute / launch
+        self.wait_outside_execute = 0.0  # device wait that no other phase contains (async scheduling's reads)
+
+    def _inside_execute(self, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            self._executing = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._executing = False
+
+        return wrapper
 
     def _timed(self, phase: str, fn: Callable) -> Callable:
         def wrapper(*args, **kwargs):
@@ -97,7 +109,7 @@ class HostProfiler:
         self._cuda = device is not None and device.type == "cuda"
 
         def execute_wrapper(fn):
-            timed = self._timed("execute", fn)
+            timed = self._inside_execute(self._timed("execute", fn))
             if not self._cuda:
                 return timed
             import torch
@@ -112,6 +124,19 @@ class HostProfiler:
                     self.events.append((start, end))
 
             return execute
+
+        def wait_wrapper(fn):
+            timed = self._timed("device_wait", fn)
+
+            def wait(*args, **kwargs):  # a wait outside `execute` (a step launched ahead) is not in its time
+                t0 = self.clock()
+                try:
+                    return timed(*args, **kwargs)
+                finally:
+                    if not self._executing:
+                        self.wait_outside_execute += self.clock() - t0
+
+            return wait
 
         def counted(kind: str):
             def make(fn):
@@ -144,9 +169,9 @@ class HostProfiler:
         wrap(engine, "commit", lambda f: self._timed("commit", f))
         wrap(engine, "emit", lambda f: self._timed("emit", f))
         fetch = step_io.Download.fetch  # a class attribute: every step makes its own Download
-        step_io.Download.fetch = self._timed("device_wait", fetch)
-        wait = step_io.PendingFetch.wait  # the read of a step launched ahead
-        step_io.PendingFetch.wait = self._timed("device_wait", wait)
+        step_io.Download.fetch = wait_wrapper(fetch)
+        wait = step_io.PendingFetch.wait  # the read of a step launched ahead (outside `execute`)
+        step_io.PendingFetch.wait = wait_wrapper(wait)
         try:
             yield self
         finally:
@@ -170,8 +195,10 @@ class HostProfiler:
             busy = self.seconds["execute"]
         wall = max(wall_seconds, 1e-9)
         phases = {p: round(1e6 * s / n, 1) for p, s in self.seconds.items()}
+        # the device wait inside `execute` is in its time already; the wait for a step launched ahead is not
         phases["other"] = round(1e6 * max(self.step_seconds - sum(self.seconds[p] for p in PHASES
-                                                                   if p != "device_wait"), 0.0) / n, 1)
+                                                                   if p != "device_wait")
+                                          - self.wait_outside_execute, 0.0) / n, 1)
         phases["outside"] = round(1e6 * max(wall_seconds - self.step_seconds, 0.0) / n, 1)
         return {
             "num_steps": self.num_steps,
