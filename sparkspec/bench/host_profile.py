@@ -15,8 +15,8 @@ Definitions (per concurrency level; `steps` = `LLMEngine.step` calls that schedu
                         and when it returns (after the copy), summed / level wall time; an upper bound on the
                         device's busy time (launch gaps inside the step count as busy). CPU: the device is the host
                         and busy = time in `execute` / wall.
-  * phases              us per step in each wrapped piece, `other` = the rest of `step` (no device wait), `outside` = the caller's
-                        loop between steps (adding requests, reading outputs)
+  * phases              us per step in each wrapped piece, `other` = the rest of `step` (no device wait),
+                        `outside` = the caller's loop between steps (adding requests, reading outputs)
   * forwards            per step: graph replays (`graph_replays`, a split step replays several) and eager forwards
                         (`eager_forwards`, with `eager_us`: host us per step inside them, where launch-bound eager
                         steps show up; both inside `execute`)
