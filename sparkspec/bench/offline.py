@@ -139,8 +139,17 @@ def run_offline(args) -> list[dict]:
                             SamplingParams(max_tokens=k + 4, ignore_eos=True))
             queried, hit = engine.stats.num_prefix_cache_queries, engine.stats.num_prefix_cache_hits
             steps, skipped = engine.stats.num_steps, engine.stats.num_drafter_skipped_steps
+            preempted = engine.scheduler.num_preemptions
             r = run_level(engine, prompt_ids, c, n, params, setting.method, k, args.profile_host)
             row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
+            # what a row's speed also depends on: the KV blocks this engine got, preemptions in the level, and the
+            # device memory the process holds (a setting run after others must see what they left behind)
+            row["kv_blocks"] = engine.kv_plan.num_blocks
+            row["preemptions"] = engine.scheduler.num_preemptions - preempted
+            if engine.runner.device.type == "cuda":
+                import torch
+
+                row["device_reserved_GB"] = round(torch.cuda.memory_reserved(engine.runner.device) / 1e9, 2)
             queried = engine.stats.num_prefix_cache_queries - queried  # this level's prompt tokens: the share
             row["prefix_cache_hit_rate"] = round((engine.stats.num_prefix_cache_hits - hit) / max(queried, 1), 4)
             row["engine_startup_s"] = round(startup, 2)
