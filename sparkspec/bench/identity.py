@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--per-set", type=int, default=10, help="prompts from each eval set (plus the README prompt)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--methods", default="dspark,mtp,ngram")
+    p.add_argument("--methods", default=None, help="comma list (default dspark,mtp,ngram; with --preset dspark,ngram)")
     p.add_argument("--dspark-k", type=int, default=7)
     p.add_argument("--budgets", default="fixed", help="comma list among fixed,adaptive")
     p.add_argument("--batch-invariant", action="store_true")
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=16, help="with --preset: prompts compared")
     p.add_argument("--batch", type=int, default=64, help="with --preset: requests in the batch")
     args = p.parse_args(argv)
-    methods = tuple(m for m in args.methods.split(",") if m)
+    default = ",".join(RANDOM_METHODS) if args.preset is not None else "dspark,mtp,ngram"
+    methods = tuple(m for m in (args.methods or default).split(",") if m)
     budgets = tuple(b for b in args.budgets.split(",") if b)
     if args.preset is not None:
         if others := [m for m in methods if m not in RANDOM_METHODS]:
