@@ -98,6 +98,20 @@ def test_bench_offline_writes_json_only_where_asked(tiny_checkpoint, tmp_path, m
     assert "tok/s" in capsys.readouterr().out
 
 
+def test_bench_offline_process_per_setting(tiny_checkpoint, tmp_path):
+    """--process-per-setting: every setting's rows come from a fresh process of its own, none from this one."""
+    import os
+
+    args = ["bench", "offline", "--model", str(tiny_checkpoint), "--settings", "none,ngram", "--concurrency", "2",
+            "--output-len", "3", "--num-prompts", "2", "--min-requests", "2", "--device", "cpu",
+            "--process-per-setting", "--json", str(tmp_path / "b.json")]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "b.json").read_text())
+    rows = data["results"]
+    assert [r["setting"] for r in rows] == ["none", "ngram fixed"] and data["meta"]["process_per_setting"]
+    assert len({r["pid"] for r in rows}) == 2 and os.getpid() not in {r["pid"] for r in rows}
+
+
 def test_env_lists_every_op(capsys):
     from sparkspec.ops.registry import op_names
 

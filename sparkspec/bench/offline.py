@@ -7,6 +7,7 @@ fixed output length (EOS ignored), one engine per speculative setting (`none`, `
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ def run_offline(args) -> list[dict]:
             # what a row's speed also depends on: the KV blocks this engine got, preemptions in the level, and the
             # device memory the process holds (a setting run after others must see what they left behind)
             row["kv_blocks"] = engine.kv_plan.num_blocks
+            row["pid"] = os.getpid()  # the process the setting ran in (`--process-per-setting`: one each)
             row["preemptions"] = engine.scheduler.num_preemptions - preempted
             if engine.runner.device.type == "cuda":
                 import torch
@@ -234,22 +236,43 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
                    help=NO_ASYNC_SCHEDULING_HELP)
     p.add_argument("--profile-host", action="store_true",
                    help="time the engine's step pieces: host us per step / per request, device-busy fraction")
+    p.add_argument("--process-per-setting", action="store_true",
+                   help="run each setting in a fresh process (its model loaded again): a setting's rows then do not "
+                        "depend on the settings run before it")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
     p.add_argument("--plot", default=None, help="PNG path for throughput vs concurrency")
     p.set_defaults(func=cmd_offline)
     return p
 
 
+def run_isolated(args) -> list[dict]:
+    """`run_offline` with each setting in a fresh process of its own (`--process-per-setting`), one after the
+    other: no setting runs after another in the same process, so none sees what an earlier engine left there."""
+    import copy
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    rows = []
+    ctx = multiprocessing.get_context("spawn")  # a new interpreter: nothing of this one's torch / CUDA state
+    for text in args.settings.split(","):
+        one = copy.copy(args)
+        one.settings, one.process_per_setting, one.func = text, False, None
+        with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            rows += pool.submit(run_offline, one).result()
+    return rows
+
+
 def cmd_offline(args) -> int:
     if args.plot:
         require_plotting()
-    rows = run_offline(args)
+    rows = run_isolated(args) if getattr(args, "process_per_setting", False) else run_offline(args)
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
             "temperature": args.temperature, "profile_host": bool(args.profile_host),
             "enable_prefix_caching": args.enable_prefix_caching, "shared_prefix_tokens": args.shared_prefix_tokens,
             "sampling_scheme": args.sampling_scheme,
-            "batch_invariant": bool(getattr(args, "batch_invariant", False))}
+            "batch_invariant": bool(getattr(args, "batch_invariant", False)),
+            "process_per_setting": bool(getattr(args, "process_per_setting", False))}
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:
