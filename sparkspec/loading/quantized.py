@@ -29,7 +29,14 @@ from torch import nn
 from sparkspec.loading import CheckpointError
 from sparkspec.loading.plan import TensorSource, keep_problem
 from sparkspec.ops import ops
-from sparkspec.ops.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp4, fp4_scale_shape, fp8_scale_shape
+from sparkspec.ops.formats import (
+    FP4_BLOCK,
+    FP8_BLOCK,
+    dequant_fp4,
+    dequant_fp8_block,
+    fp4_scale_shape,
+    fp8_scale_shape,
+)
 
 # what happens to FP8 / FP4 checkpoint weights: "keep" them quantised in the layers that can compute on them
 # (`Fp8Linear`, `Fp4Linear`), "dequantize" them to the load dtype, or "auto": keep on accelerators, dequantise on CPU
@@ -160,3 +167,25 @@ def swap_layers_(model: nn.Module, chosen: dict[str, type[nn.Module]], moe_exper
         if hasattr(module, "_stacked_experts"):
             del module._stacked_experts
     return sorted(chosen)
+
+
+def dequantize_layers_(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """The inverse of keeping a layer quantised: every `Fp8Linear` / `Fp4Linear` of `model` becomes a bias-free
+    `nn.Linear` on the same device whose weight is its exact dequantised value in `dtype` (the fp32 product of
+    code and scale, rounded once). Each layer's codes are freed as it goes; stacked expert weights made before are
+    dropped (made again from the new layers on the next forward). -> names of the replaced layers. For comparing
+    the quantised kernels with the same weights in `dtype` (`bench.quant_greedy`)."""
+    names = [name for name, m in model.named_modules() if isinstance(m, (Fp8Linear, Fp4Linear))]
+    for name in names:
+        q = model.get_submodule(name)
+        dequant = dequant_fp8_block if isinstance(q, Fp8Linear) else dequant_fp4
+        with torch.no_grad():
+            weight = dequant(q.weight.data, q.scale.data, name, dtype)
+        linear = nn.Linear(q.in_features, q.out_features, bias=False, device="meta", dtype=dtype)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, attr, linear)
+    for module in model.modules():
+        if hasattr(module, "_stacked_experts"):
+            del module._stacked_experts
+    return names
