@@ -126,15 +126,15 @@ class HostProfiler:
             return execute
 
         def wait_wrapper(fn):
-            timed = self._timed("device_wait", fn)
-
             def wait(*args, **kwargs):  # a wait outside `execute` (a step launched ahead) is not in its time
                 t0 = self.clock()
                 try:
-                    return timed(*args, **kwargs)
+                    return fn(*args, **kwargs)
                 finally:
+                    dt = self.clock() - t0
+                    self.seconds["device_wait"] += dt
                     if not self._executing:
-                        self.wait_outside_execute += self.clock() - t0
+                        self.wait_outside_execute += dt
 
             return wait
 

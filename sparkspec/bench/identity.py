@@ -67,6 +67,12 @@ def identity_counts(ckpt, prompts: list[list[int]], max_tokens: int, methods: tu
 RANDOM_METHODS = ("dspark", "ngram")  # the methods a random-weight preset can run (a random DSpark drafter)
 
 
+def check_random_methods(methods: tuple[str, ...]) -> None:
+    if others := [m for m in methods if m not in RANDOM_METHODS]:
+        raise ValueError(f"--methods {','.join(others)}: with --preset only {', '.join(RANDOM_METHODS)} run "
+                         "(random drafters are DSpark's)")
+
+
 def random_identity_counts(preset: str, device: str, dtype: str, num_prompts: int, batch: int, max_tokens: int,
                            methods: tuple[str, ...], budgets: tuple[str, ...], batch_invariant: bool,
                            num_spec_tokens: int | None = None, seed: int = 0, log=print) -> dict[str, list[int]]:
@@ -81,8 +87,7 @@ def random_identity_counts(preset: str, device: str, dtype: str, num_prompts: in
     from sparkspec.loading.random_model import random_model
     from sparkspec.ops.batch_invariant import set_batch_invariant
 
-    if others := [m for m in methods if m not in RANDOM_METHODS]:
-        raise ValueError(f"methods {others}: with random weights only {RANDOM_METHODS} run")
+    check_random_methods(methods)
     cfg = ModelConfig.from_file(preset) if preset.endswith(".json") else ModelConfig.preset(preset)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, drafter = random_model(cfg, dev, getattr(torch, dtype), seed=seed,
@@ -141,9 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     methods = tuple(m for m in (args.methods or default).split(",") if m)
     budgets = tuple(b for b in args.budgets.split(",") if b)
     if args.preset is not None:
-        if others := [m for m in methods if m not in RANDOM_METHODS]:
-            p.error(f"--methods {','.join(others)}: with --preset only {', '.join(RANDOM_METHODS)} run "
-                    "(random drafters are DSpark's)")
+        try:
+            check_random_methods(methods)
+        except ValueError as e:
+            p.error(str(e))
         diff = random_identity_counts(args.preset, args.device, args.dtype, args.num_prompts, args.batch,
                                       args.max_tokens, methods, budgets, args.batch_invariant, args.dspark_k)
         total = args.num_prompts

@@ -149,8 +149,6 @@ def run_offline(args) -> list[dict]:
             row["pid"] = os.getpid()  # the process the setting ran in (`--process-per-setting`: one each)
             row["preemptions"] = engine.scheduler.num_preemptions - preempted
             if engine.runner.device.type == "cuda":
-                import torch
-
                 row["device_reserved_GB"] = round(torch.cuda.memory_reserved(engine.runner.device) / 1e9, 2)
             queried = engine.stats.num_prefix_cache_queries - queried  # this level's prompt tokens: the share
             row["prefix_cache_hit_rate"] = round((engine.stats.num_prefix_cache_hits - hit) / max(queried, 1), 4)
