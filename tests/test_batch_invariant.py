@@ -19,7 +19,11 @@ triton = pytest.importorskip("triton")
 
 from sparkspec.ops import ops  # noqa: E402
 from sparkspec.ops.batch_invariant import CALLS, batch_invariant, matmul_reference, set_batch_invariant  # noqa: E402
-from sparkspec.ops.triton_kernels.batch_invariant import invariant_tile, matmul_invariant  # noqa: E402
+from sparkspec.ops.triton_kernels.batch_invariant import (  # noqa: E402
+    SPLIT_MIN_K,
+    invariant_tile,
+    matmul_invariant,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KEYS = ("CUDA",) if DEVICE.type == "cuda" else ("CPU",)  # where the aten GEMMs are replaced in these tests
@@ -57,8 +61,8 @@ def test_rejects_bad_inputs():
 
 
 # (N, K) of the weights; in the interpreter's tile (BLOCK_N 32, BLOCK_K 32, 8 target programs) K is cut into 4, 2,
-# 1 (N wide enough) and 1 (one K tile) chunks
-SHAPES = [(40, 200), (17, 100), (300, 72), (24, 32)]
+# 1 (N wide enough) and 1 (one K tile) chunks; on a GPU K is cut only beyond SPLIT_MIN_K (the last shape)
+SHAPES = [(40, 200), (17, 100), (300, 72), (24, 32)] + ([(40, SPLIT_MIN_K + 72)] if DEVICE.type != "cpu" else [])
 
 
 def _num_chunks(N, K):
@@ -68,7 +72,10 @@ def _num_chunks(N, K):
 
 def test_shapes_cover_split_and_unsplit_weights():
     is_split = [_num_chunks(N, K) > 1 for N, K in SHAPES]
-    assert is_split[0] and is_split[1] and not is_split[3], is_split  # (300, 72) is split on a GPU's larger target
+    if DEVICE.type == "cpu":
+        assert is_split == [True, True, False, False], is_split
+    else:
+        assert is_split == [False] * 4 + [True], is_split
 
 
 @pytest.mark.parametrize("N,K", SHAPES)

@@ -85,10 +85,19 @@ def test_rows_do_not_depend_on_the_batch():
     with batch_invariant(dispatch_keys=()):
         assert tri_mhc.post_mix_config(37, 96) == tri_mhc.post_mix_config(1, 96)
         assert tri_mhc.norm_finish_config(37, 96) == tri_mhc.norm_finish_config(1, 96)
+        for interpreted in (False, True):
+            for T in (2, 15, 16, 37, 4096):
+                assert tri_mhc.mix_partial_config(T, 4 * 96, interpreted) == tri_mhc.mix_partial_config(1, 4 * 96,
+                                                                                                   interpreted)
+                assert tri_mhc.finish_config(T, 96, interpreted) == tri_mhc.finish_config(1, 96, interpreted)
         full = tri_mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
         one = tri_mhc.mhc_post_pre(y[20:21], x[20:21], post[20:21], comb[20:21], fn, scale, base, 1e-6, 1e-6, 20,
                                    w, 1e-6)
-    for a, b in zip(full, one):
+        pre_full = [tri_mhc.mhc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, *nw) for nw in ((), (w, 1e-6))]
+        pre_one = [tri_mhc.mhc_pre(x[20:21], fn, scale, base, 1e-6, 1e-6, 20, *nw) for nw in ((), (w, 1e-6))]
+        head_full = tri_mhc.hc_head(x, fn[:4], scale[:1], base[:4], 1e-6, 1e-6)
+        head_one = tri_mhc.hc_head(x[20:21], fn[:4], scale[:1], base[:4], 1e-6, 1e-6)
+    for a, b in zip([*full, *pre_full[0], *pre_full[1], head_full], [*one, *pre_one[0], *pre_one[1], head_one]):
         assert torch.equal(a[20:21], b)
 
 
@@ -104,6 +113,66 @@ def test_decode_tokens_take_the_one_token_programs():
     few = tri_mhc.mhc_post_pre(y[:3], x[:3], post[:3], comb[:3], fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
     for a, b in zip(full, few):
         torch.testing.assert_close(a[:3], b, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,n,H,norm", [(1, 4, 96, True), (5, 4, 80, False), (5, 3, 64, True), (1, 2, 64, False),
+                                        (17, 4, 100, True), (19, 3, 96, False)])
+def test_pre_and_head_match_the_natives(T, n, H, norm, dtype):
+    """mhc_pre and hc_head against the natives: below 16 tokens the split-K pass one token per program without tl.dot
+    and the finish one token per program (the Sinkhorn on register scalars at n <= 4 < 8: NP = 4; the tile at NP = 2),
+    from 16 the tiles. H not a multiple of the chunks, n < NP."""
+    few = T < 16
+    assert tri_mhc.mix_partial_config(T, n * H)[3] is not few and (tri_mhc.finish_config(T, H)[0] == 1) is few
+    y, x, post, comb, fn, scale, base, w = _inputs(T, n, H, dtype, seed=T + n + H)
+    nw, ne = (w, 1e-6) if norm else (None, None)
+    h, post2, comb2 = tri_mhc.mhc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, nw, ne)
+    want_h, want_post, want_comb = mhc.mhc_pre(x.float(), fn, scale, base, 1e-6, 1e-6, 20)
+    if norm:
+        want_h = rope.rms_norm(want_h.to(dtype).float(), w, 1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(h, want_h, rtol=2e-5, atol=2e-5)
+    elif norm:
+        torch.testing.assert_close(h.float(), want_h, rtol=2 ** -6, atol=1e-3)
+    else:
+        assert _ulps(h, want_h) <= 1.0
+    torch.testing.assert_close(post2, want_post, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(comb2, want_comb, rtol=1e-5, atol=1e-5)
+    hscale = scale[:1]
+    got = tri_mhc.hc_head(x, fn[:n], hscale, base[:n], 1e-6, 1e-6)
+    want = mhc.hc_head(x.float(), fn[:n], hscale, base[:n], 1e-6, 1e-6)
+    assert got.dtype == dtype and _ulps(got, want) <= 1.0
+
+
+@pytest.mark.parametrize("op", ["mhc_pre", "mhc_pre_norm", "hc_head"])
+def test_decode_pre_agrees_with_the_tiles(op):
+    """The one-token paths (split-K without tl.dot, one-token finish, the Sinkhorn on scalars) against the tiles on
+    the same tokens among 18: the same values to the order of the fp32 sums."""
+    y, x, post, comb, fn, scale, base, w = _inputs(18, 4, 96, torch.float32, seed=5)
+
+    def run(x):
+        if op == "hc_head":
+            return [tri_mhc.hc_head(x, fn[:4], scale[:1], base[:4], 1e-6, 1e-6)]
+        return tri_mhc.mhc_pre(x, fn, scale, base, 1e-6, 1e-6, 20, *((w, 1e-6) if op == "mhc_pre_norm" else ()))
+
+    for a, b in zip(run(x), run(x[:3])):
+        torch.testing.assert_close(a[:3], b, rtol=2e-5, atol=2e-5)
+
+
+def test_one_token_finish_sums_the_splits_in_steps(monkeypatch):
+    """A one-token finish sums the split-K partials BLOCK_S at a time; forced to 2 a step over the interpreter's 3
+    splits (the tail of the last step masked), the outputs still match the natives."""
+    monkeypatch.setattr(tri_mhc, "_sum_block", lambda splits, block_t, block_m: 2 if block_t == 1 else 1)
+    y, x, post, comb, fn, scale, base, w = _inputs(1, 4, 96, torch.float32, seed=6)
+    streams, h, post2, comb2 = tri_mhc.mhc_post_pre(y, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20)
+    want_streams = mhc.mhc_post(y, x, post, comb)
+    got = [h, post2, comb2, *tri_mhc.mhc_pre(x, fn, scale, base, 1e-6, 1e-6, 20),
+           tri_mhc.hc_head(x, fn[:4], scale[:1], base[:4], 1e-6, 1e-6)]
+    want = [*mhc.mhc_pre(want_streams, fn, scale, base, 1e-6, 1e-6, 20),
+            *mhc.mhc_pre(x, fn, scale, base, 1e-6, 1e-6, 20), mhc.hc_head(x, fn[:4], scale[:1], base[:4], 1e-6, 1e-6)]
+    torch.testing.assert_close(streams, want_streams, rtol=2e-5, atol=2e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
 
 
 def test_preconditions_are_messages():

@@ -20,7 +20,7 @@ from sparkspec.config import CSA, ModelConfig, yarn_inv_freq
 from sparkspec.distributed import ParallelGroup, all_gather_last, all_reduce
 from sparkspec.models.cache import compressor_width, entries_per_block
 from sparkspec.models.forward_batch import Emission, ForwardBatch
-from sparkspec.models.fused_linear import fused_linear, stacked_linear
+from sparkspec.models.fused_linear import dense, fused_linear, stacked_linear
 from sparkspec.ops import ops
 from sparkspec.ops.moe import expert_weights, swiglu
 
@@ -177,15 +177,15 @@ class Attention(nn.Module):
     def project_q(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (q [T, h, D] normalised + RoPE, q_lora [T, q_lora_rank])."""
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
+        qr = self.q_norm(dense(self.wq_a, x))
+        q = dense(self.wq_b, qr).view(x.shape[0], self.n_heads, self.head_dim)
         return self.rotary.apply(q, positions, rot=rot, norm=self.cfg.rms_norm_eps), qr
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """-> kv [T, D]: the shared K = V latent, normalised, RoPE at `positions`; with `out` / `out_rows` its rows
         go to out[out_rows] in the same launch (a pool write) -> out."""
-        return self.rotary.apply(self.wkv(x), positions, rot=rot, norm=self.kv_norm, out=out, out_rows=out_rows)
+        return self.rotary.apply(dense(self.wkv, x), positions, rot=rot, norm=self.kv_norm, out=out, out_rows=out_rows)
 
     def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, rot: torch.Tensor | None = None,
                     kv_pool: torch.Tensor | None = None, kv_rows: torch.Tensor | None = None,
@@ -211,7 +211,7 @@ class Attention(nn.Module):
         o = self.rotary.apply(o, positions, inverse=True, rot=rot).reshape(T, g, -1)  # [T, g, h·D/g]
         w = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)  # [g, o_lora, h·D/g]
         z = torch.einsum("tgi,goi->tgo", o, w).reshape(T, -1)
-        return all_reduce(self.wo_b(z), self.tp)  # tensor parallel: each rank holds some heads' share
+        return all_reduce(dense(self.wo_b, z), self.tp)  # tensor parallel: each rank holds some heads' share
 
     # -- target forward over a flat batch --
     def forward(self, x: torch.Tensor, batch: ForwardBatch, x_fp32: torch.Tensor | None = None) -> torch.Tensor:
@@ -322,9 +322,9 @@ class MoE(nn.Module):
             ids, weights = local.clamp(0, num - 1), weights * held
         se = self.shared_experts
         gate_up = stacked_linear(x, se.w1, se.w3)  # [T, 2I] one GEMM where w1 / w3 can share a stacked weight
-        act = (swiglu(se.w1(x), se.w3(x), cfg.swiglu_limit) if gate_up is None
+        act = (swiglu(dense(se.w1, x), dense(se.w3, x), cfg.swiglu_limit) if gate_up is None
                else ops.swiglu_packed(gate_up, cfg.swiglu_limit))
-        shared = se.w2(act)
+        shared = dense(se.w2, act)
         w13, w2 = expert_weights(self)  # stacked once (views share the parameters' storage)
         fused = shared.dtype == x.dtype  # routed + shared in the experts' last launch
         y = ops.moe_experts(x, w13, w2, weights, ids, cfg.swiglu_limit, shared if fused else None)

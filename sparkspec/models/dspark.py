@@ -37,6 +37,7 @@ from torch import nn
 
 from sparkspec.config import ModelConfig
 from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Block, RMSNorm, head_logits
+from sparkspec.models.fused_linear import dense
 from sparkspec.ops import ops
 from sparkspec.ops.indices import dspark_block_indices
 
@@ -181,7 +182,7 @@ class DSparkDraftModel(nn.Module):
     def main_x(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [T, m, H] (declared layer order) -> main_x [T, H]."""
         s = self.first
-        return s.main_norm(s.main_proj(taps.flatten(1).to(s.main_proj.weight.dtype)))
+        return s.main_norm(dense(s.main_proj, taps.flatten(1).to(s.main_proj.weight.dtype)))
 
     def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """main_x [T, H] at `positions` [T] -> per stage context K=V rows [T, D] (own wkv/kv_norm + RoPE)."""

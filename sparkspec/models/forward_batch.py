@@ -175,7 +175,8 @@ def pinned_buffer(device: torch.device, dtype: torch.dtype, n: int) -> torch.Ten
     ring = _PINNED.setdefault((device, dtype), [])
     if len(ring) < 2 or ring[0].numel() < n:
         size = max(n, 2 * (ring[0].numel() if ring else 1 << 14))
-        ring[:] = [torch.empty(size, dtype=dtype, pin_memory=True) for _ in range(2)]
+        with torch.inference_mode(False):  # normal tensors: a ring made under inference mode is reused outside it
+            ring[:] = [torch.empty(size, dtype=dtype, pin_memory=True) for _ in range(2)]
     ring.reverse()
     return ring[0][:n]
 

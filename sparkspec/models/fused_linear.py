@@ -13,8 +13,9 @@ module, as before.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from sparkspec.ops.registry import ops
 
 
 def _stackable(linears: tuple[nn.Module, ...]) -> bool:
@@ -57,7 +58,7 @@ def stacked_linear(x: torch.Tensor, *linears: nn.Module) -> torch.Tensor | None:
     """x [T, in] -> [T, Σ out]: the outputs of `linears` side by side from one GEMM, or None where they cannot
     share a stacked weight (the caller then runs them one by one)."""
     stack = stacked_weight(linears)
-    return None if stack is None else F.linear(x, stack)
+    return None if stack is None else ops.linear(x, stack)
 
 
 def fused_linear(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -65,5 +66,13 @@ def fused_linear(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ..
     its output (views with the stack's row stride: a kernel that reads strides takes them as they are)."""
     y = stacked_linear(x, *linears)
     if y is None:
-        return tuple(m(x) for m in linears)
+        return tuple(dense(m, x) for m in linears)
     return y.split([m.weight.shape[0] for m in linears], dim=-1)
+
+
+def dense(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x), with a plain `nn.Linear` through `ops.linear` (a Triton GEMM for decode-sized steps on CUDA);
+    quantised layers (`Fp8Linear`, ...) and subclasses run their own forward."""
+    if type(module) is nn.Linear:
+        return ops.linear(x, module.weight, module.bias)
+    return module(x)

@@ -37,6 +37,7 @@ from torch import nn
 
 from sparkspec.config import ModelConfig
 from sparkspec.models.deepseek_v4 import FP32_PARAM_SUFFIXES, Attention, Block, RMSNorm, head_logits
+from sparkspec.models.fused_linear import dense
 from sparkspec.ops import ops
 
 
@@ -89,8 +90,8 @@ class MTPDraftModel(nn.Module):
         T, n, H = prev_streams.shape[0], cfg.hc_mult, cfg.hidden_size
         e = embed(next_ids).to(layer.e_proj.weight.dtype)
         e = e.masked_fill((positions == 0).unsqueeze(1), 0.0)  # [T, H]
-        x = layer.h_proj(layer.hnorm(prev_streams.view(T, n, H).to(e.dtype)))
-        x = x + layer.e_proj(layer.enorm(e)).unsqueeze(1)
+        x = dense(layer.h_proj, layer.hnorm(prev_streams.view(T, n, H).to(e.dtype)))
+        x = x + dense(layer.e_proj, layer.enorm(e)).unsqueeze(1)
         x = layer(x.contiguous(), positions, next_ids, lambda h: attend(layer.attn, h, positions))  # [T, n, H]
         return x.flatten(1)
 

@@ -202,7 +202,19 @@ def _load_all() -> None:
     if _loaded:
         return
     _loaded = True
-    from sparkspec.ops import attention, batch_invariant, compressor, head, indices, mhc, moe, quant, rope, sampling  # noqa: F401
+    from sparkspec.ops import (  # noqa: F401
+        attention,
+        batch_invariant,
+        compressor,
+        head,
+        indices,
+        linear,
+        mhc,
+        moe,
+        quant,
+        rope,
+        sampling,
+    )
 
 
 def _load_kernels() -> None:

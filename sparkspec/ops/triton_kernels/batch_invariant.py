@@ -6,8 +6,8 @@ chunks.
 Why: cuBLAS picks its algorithm, tile and split-K by the shapes, M included, so the order in which one row's K
 products are summed (and thus its rounding) changes with how many rows the step has: a request's greedy tokens
 then depend on the batch it ran in. Here the arithmetic of a row is fixed by (N, K) alone (`invariant_tile`):
-BLOCK_M, BLOCK_K and the warps are constants, BLOCK_N and the K chunk (CHUNK_K, a multiple of BLOCK_K; S =
-cdiv(K, CHUNK_K) chunks) follow the weight's N and K. Row m's result is
+BLOCK_M, BLOCK_N and the warps are constants, BLOCK_K and the K chunk (CHUNK_K, a multiple of BLOCK_K; S =
+cdiv(K, CHUNK_K) chunks) follow the weight's N, K and dtype. Row m's result is
 
     c[m] = round(((0 + p_0[m]) + p_1[m]) + ... + p_{S-1}[m] (+ bias)),  p_s[m] = Σ over chunk s's K tiles in
                                                                               increasing k0 of one `tl.dot` each,
@@ -40,7 +40,9 @@ import triton.language as tl
 from sparkspec.ops.triton_kernels.common import check, on_interpreter, same_device
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TARGET_PROGRAMS = 264  # programs a launch aims at when it splits K: two per SM of an H100 / H200 (132 SMs)
+TARGET_PROGRAMS = 264  # output tiles below which a launch with K chunks splits them over programs (2 per SM)
+GPU_PROGRAMS = 128  # (tile, chunk) programs a K split aims at (about one per SM of an H100 / H200)
+SPLIT_MIN_K = 2048  # K up to which one program sums all of K (no split: measured faster at every M on the H200)
 _INTERP_TARGET = 8  # the interpreter's (tests): small shapes already split
 _COUNTER_SLOTS = 1024  # tile counters per device; a split launch has fewer than TARGET_PROGRAMS output tiles
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> [_COUNTER_SLOTS] int32, all 0 between launches
@@ -134,17 +136,24 @@ class Tile(NamedTuple):
 
 
 @functools.cache
-def invariant_tile(N: int, K: int, interpreter: bool) -> Tile:
-    """The tile and K chunk of an [N, K] weight: never a function of M (that is the point). BLOCK_N shrinks for
-    narrow weights and K is cut into chunks so that one row block (a batch-1 step) still has about
-    TARGET_PROGRAMS (tile, chunk) programs to stream the weight with (N and K are fixed by the layer). Untuned
-    first choices: the GPU script measures their cost against cuBLAS."""
+def invariant_tile(N: int, K: int, interpreter: bool, itemsize: int = 2) -> Tile:
+    """The tile and K chunk of an [N, K] weight of `itemsize`-byte elements: never a function of M (that is the
+    point). On the GPU: 16-row tiles (a decode step's few rows fill them; prefill re-reads a weight tile per 16
+    rows, from L2) by 32 columns, the whole K of a 16-bit weight in one program up to K = SPLIT_MIN_K; longer K
+    (and any fp32 K) is cut into chunks
+    so that one row block still has about GPU_PROGRAMS (tile, chunk) programs. Measured on the H200 at bench-1b's
+    shapes (`ops/triton_kernels/NOTES.md`): this tile with one chunk ran 2.5-5.1 us at M = 1..64, faster than
+    cuBLAS there, where the earlier 64-row tile split over ~264 programs took 4.7-10 us (its split's fp32
+    workspace round trip and counter cost more than the split gained). fp32 operands (exact `ieee` dots, CUDA-core
+    FMAs) take 64-deep K steps."""
     if interpreter:
-        bm, bn, bk, warps, stages, target = 16, 32, 32, 4, 1, _INTERP_TARGET
+        bm, bn, bk, warps, stages, target, min_k = 16, 32, 32, 4, 1, _INTERP_TARGET, 0
     else:
-        bm, bn, bk, warps, stages, target = 64, (32 if N <= 2048 else 64), 64, 4, 3, TARGET_PROGRAMS
+        bk = 64 if itemsize > 2 else 256 if K % 256 == 0 else 128
+        # fp32 (CUDA-core FMAs, compute-bound per program) always splits K over ~GPU_PROGRAMS programs
+        bm, bn, warps, stages, target, min_k = 16, 32, 4, 3, GPU_PROGRAMS, 0 if itemsize > 2 else SPLIT_MIN_K
     k_tiles = triton.cdiv(max(K, 1), bk)
-    splits = max(1, min(k_tiles, triton.cdiv(target, triton.cdiv(N, bn))))
+    splits = 1 if K <= min_k else max(1, min(k_tiles, triton.cdiv(target, triton.cdiv(N, bn))))
     return Tile(bm, bn, bk, warps, stages, triton.cdiv(k_tiles, splits) * bk)
 
 
@@ -187,7 +196,7 @@ def matmul_invariant(
             c += bias.to(c.dtype)
         return c if batched else c[0]
     interp = on_interpreter(a)
-    tile = tile or invariant_tile(N, K, interp)
+    tile = tile or invariant_tile(N, K, interp, a.element_size())
     check(tile.chunk_k > 0 and tile.chunk_k % tile.block_k == 0,
           f"matmul_invariant: chunk_k must be a positive multiple of block_k, got {tile}")
     num_chunks = triton.cdiv(K, tile.chunk_k)

@@ -1,13 +1,16 @@
 """Fused mHC kernels (Triton): mhc_pre (RMS + mixing matmul + sigmoids + Sinkhorn + stream collapse),
 mhc_post (stream update) and hc_head (final collapse).
 
-Legend: T tokens, n hc streams (NP = next power of two), H hidden, K = n·H, M = (2+n)·n mixes (BLOCK_M >= 16).
+Legend: T tokens, n hc streams (NP = next power of two), H hidden, K = n·H, M = (2+n)·n mixes (BLOCK_M >= 16
+with `tl.dot`).
 mhc_pre / hc_head run in two launches:
-  1. `_mix_partial_kernel`, grid (token blocks, SPLIT): each program streams one K chunk of x·fnᵀ through
-     `tl.dot` (exact fp32) and Σx², writing fp32 partials — split-K, so a few tokens still fill the GPU;
+  1. `_mix_partial_kernel`, grid (token blocks, SPLIT): each program streams one K chunk of x·fnᵀ (from 16
+     tokens through `tl.dot`, exact fp32; a decode step's tokens one per program as a product summed over the
+     chunk) and Σx², writing fp32 partials — split-K, so a few tokens still fill the GPU;
   2. a finish kernel, grid (token blocks, H chunks): sums the partials in a fixed order (deterministic),
      applies the weight-free RMS, the sigmoids and the n×n Sinkhorn in registers (recomputed per H chunk:
-     a few hundred flops per token), and collapses its H chunk of the streams.
+     a few hundred flops per token; one token of 4 streams on 16 register scalars), and collapses its H chunk of
+     the streams.
 mhc_post_pre (a sublayer's post, then the next sublayer's pre) runs in two: `_mhc_post_mix_kernel` writes the new
 streams and, from the rounded values it stores, the split-K partials of step 1 (one split per H chunk); then 2.
 """
@@ -38,7 +41,10 @@ def _mix_partial_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,  # the mixes by tl.dot (BLOCK_T >= 16), else as a product summed over the chunk
 ):
+    """Without DOT a program holds a few tokens (one for a decode step) and no padding rows, as in
+    `_mhc_post_mix_kernel`: at one token `tl.dot`'s 16-row tile is what the launch waits on."""
     split = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mixes = tl.arange(0, BLOCK_M)
@@ -54,7 +60,10 @@ def _mix_partial_kernel(
                     mask=tok_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_K]
         w = tl.load(fn_ptr + mixes[:, None] * stride_fm + ks[None, :],
                     mask=(mixes[:, None] < num_mix) & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        if DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         sumsq += tl.sum(x * x, axis=1)
     row = split.to(tl.int64) * num_tokens + toks
     tl.store(part_ptr + row[:, None] * BLOCK_M + mixes[None, :], acc, mask=tok_ok[:, None])
@@ -63,17 +72,37 @@ def _mix_partial_kernel(
 
 @triton.jit
 def _mix_total(part_ptr, sumsq_ptr, toks, num_tokens, num_splits, width, rms_eps,
-               BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Σ over splits (fixed order) · rsqrt(mean x² + eps)  -> mix [BLOCK_T, BLOCK_M] fp32."""
+               BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Σ over splits (fixed order) · rsqrt(mean x² + eps) -> mix [BLOCK_T, BLOCK_M] fp32. One token (BLOCK_S > 1)
+    sums BLOCK_S splits a step as a tile: one round of loads, where a split at a time waits out an L2 round trip
+    per 4 splits (the loop unrolled), 32 of them for 128 splits. Token tiles keep the loop: summed as a tile, their
+    mix comes in a layout that makes the Sinkhorn's tile loop ~20x the instructions (sm_90 SASS)."""
     mixes = tl.arange(0, BLOCK_M)
     tok_ok = toks < num_tokens
     acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for split in range(0, num_splits):
-        row = split * num_tokens + toks.to(tl.int64)
-        acc += tl.load(part_ptr + row[:, None] * BLOCK_M + mixes[None, :], mask=tok_ok[:, None], other=0.0)
-        sumsq += tl.load(sumsq_ptr + row, mask=tok_ok, other=0.0)
+    if BLOCK_S > 1:
+        for s0 in range(0, num_splits, BLOCK_S):
+            splits = s0 + tl.arange(0, BLOCK_S)
+            ok = tok_ok[:, None] & (splits < num_splits)[None, :]  # [BLOCK_T, BLOCK_S]
+            row = splits[None, :].to(tl.int64) * num_tokens + toks[:, None]
+            part = tl.load(part_ptr + row[:, :, None] * BLOCK_M + mixes[None, None, :], mask=ok[:, :, None],
+                           other=0.0)
+            acc += tl.sum(part, axis=1)
+            sumsq += tl.sum(tl.load(sumsq_ptr + row, mask=ok, other=0.0), axis=1)
+    else:
+        for split in range(0, num_splits):
+            row = split * num_tokens + toks.to(tl.int64)
+            acc += tl.load(part_ptr + row[:, None] * BLOCK_M + mixes[None, :], mask=tok_ok[:, None], other=0.0)
+            sumsq += tl.load(sumsq_ptr + row, mask=tok_ok, other=0.0)
     return acc * tl.rsqrt(sumsq / width + rms_eps)[:, None]
+
+
+def _sum_block(splits: int, block_t: int, block_m: int) -> int:
+    """BLOCK_S of `_mix_total`: one token's splits in one step, up to a [BLOCK_S, BLOCK_M] tile of 4,096 entries
+    (32 registers a thread at 4 warps); 1 for token tiles. Batch-invariant mode fixes all three (one token, the
+    split count by the width), so each token's order of sums."""
+    return min(next_pow2(splits), 4096 // block_m) if block_t == 1 else 1
 
 
 @triton.jit
@@ -134,6 +163,71 @@ def _collapse_norm(x_ptr, out_ptr, out32_ptr, w_ptr, pre, toks, num_tokens, num_
 
 
 @triton.jit
+def _norm4(v0, v1, v2, v3, eps):
+    """v / (Σv + eps) for 4 scalars: Σ as a tree of register adds, the division as a product by rsqrt(Σv + eps)²,
+    one MUFU op and a multiply (the sum lies in [eps, n + eps]). `/` compiles to a full-range division (range
+    tests and rescaling around the reciprocal): ~180 instructions a Sinkhorn iteration instead of ~80, as many as
+    the tile's shuffles cost. A few fp32 ulps (rsqrt.approx) where the reference rounds once."""
+    r = tl.math.rsqrt((v0 + v1) + (v2 + v3) + eps)
+    r = r * r
+    return v0 * r, v1 * r, v2 * r, v3 * r
+
+
+@triton.jit
+def _unpack4(v):
+    """The entries of a [4] tensor as 4 scalars."""
+    lo, hi = tl.split(tl.reshape(v, [2, 2]))  # (v0, v2), (v1, v3)
+    v0, v2 = tl.split(lo)
+    v1, v3 = tl.split(hi)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _pack4(v0, v1, v2, v3):
+    """The inverse of `_unpack4`, as [2, 2] (reshaped to [4]: v0 .. v3); of 4 [..] tensors [.., 2, 2]."""
+    return tl.join(tl.join(v0, v2), tl.join(v1, v3))
+
+
+@triton.jit
+def _sinkhorn(comb, iters, eps, BLOCK_T: tl.constexpr, NP: tl.constexpr):
+    """comb [BLOCK_T, NP(a), NP(b)] (0 outside n×n) -> its columns normalised, then iters - 1 passes of rows then
+    columns, each x / (Σ + eps): the reference's order. One token of 4 streams (a decode step's programs, and every
+    program in batch-invariant mode) runs on 16 register scalars (`_norm4`): a sum is then 3 adds in a thread, where
+    the tile's `tl.sum`s cross threads (two dependent shuffles each), four a serial iteration: ~2 µs of the
+    finish's ~6 at 20 iterations."""
+    if BLOCK_T == 1 and NP == 4:
+        lo, hi = tl.split(tl.reshape(comb, [4, 2, 2]))  # [a, b_hi, b_lo]: columns (0, 2), (1, 3)
+        c0, c2 = tl.split(lo)
+        c1, c3 = tl.split(hi)
+        x00, x10, x20, x30 = _unpack4(c0)
+        x01, x11, x21, x31 = _unpack4(c1)
+        x02, x12, x22, x32 = _unpack4(c2)
+        x03, x13, x23, x33 = _unpack4(c3)
+        x00, x10, x20, x30 = _norm4(x00, x10, x20, x30, eps)
+        x01, x11, x21, x31 = _norm4(x01, x11, x21, x31, eps)
+        x02, x12, x22, x32 = _norm4(x02, x12, x22, x32, eps)
+        x03, x13, x23, x33 = _norm4(x03, x13, x23, x33, eps)
+        for _ in range(iters - 1):
+            x00, x01, x02, x03 = _norm4(x00, x01, x02, x03, eps)
+            x10, x11, x12, x13 = _norm4(x10, x11, x12, x13, eps)
+            x20, x21, x22, x23 = _norm4(x20, x21, x22, x23, eps)
+            x30, x31, x32, x33 = _norm4(x30, x31, x32, x33, eps)
+            x00, x10, x20, x30 = _norm4(x00, x10, x20, x30, eps)
+            x01, x11, x21, x31 = _norm4(x01, x11, x21, x31, eps)
+            x02, x12, x22, x32 = _norm4(x02, x12, x22, x32, eps)
+            x03, x13, x23, x33 = _norm4(x03, x13, x23, x33, eps)
+        cols = _pack4(_pack4(x00, x10, x20, x30), _pack4(x01, x11, x21, x31), _pack4(x02, x12, x22, x32),
+                      _pack4(x03, x13, x23, x33))  # [a_hi, a_lo, b_hi, b_lo]
+        comb = tl.reshape(cols, [1, 4, 4])
+    else:
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+    return comb
+
+
+@triton.jit
 def _mhc_pre_finish_kernel(
     x_ptr,  # [T, n, H] contiguous
     part_ptr,  # [SPLIT, T, BLOCK_M] fp32
@@ -155,6 +249,7 @@ def _mhc_pre_finish_kernel(
     norm_eps,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits summed a step
     BLOCK_HD: tl.constexpr,
     NP: tl.constexpr,
     NORM: tl.constexpr,  # one program per token block over all of H (grid (token blocks, 1))
@@ -163,7 +258,8 @@ def _mhc_pre_finish_kernel(
     n = num_streams
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     num_owned = tl.where(tl.program_id(1) == 0, num_tokens, 0)  # the first H chunk stores post and comb
-    mix = _mix_total(part_ptr, sumsq_ptr, toks, num_tokens, num_splits, n * hidden, rms_eps, BLOCK_T, BLOCK_M)
+    mix = _mix_total(part_ptr, sumsq_ptr, toks, num_tokens, num_splits, n * hidden, rms_eps, BLOCK_T, BLOCK_M,
+                     BLOCK_S)
     s_pre = tl.load(scale_ptr + 0)
     s_post = tl.load(scale_ptr + 1)
     s_comb = tl.load(scale_ptr + 2)
@@ -198,10 +294,7 @@ def _mhc_pre_finish_kernel(
     row_sum = tl.sum(e, axis=2)
     comb = e / tl.where(row_sum == 0.0, 1.0, row_sum)[:, :, None]
     comb = tl.where(valid, comb + hc_eps, 0.0)  # softmax over b, + eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)  # normalise columns (sum over a)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    comb = _sinkhorn(comb, sinkhorn_iters, hc_eps, BLOCK_T, NP)
     tl.store(comb_ptr + toks[:, None, None].to(tl.int64) * n * n + a3 * n + b3, comb,
              mask=(toks < num_owned)[:, None, None] & valid)
 
@@ -228,12 +321,14 @@ def _hc_head_finish_kernel(
     hc_eps,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits summed a step
     BLOCK_HD: tl.constexpr,
     NP: tl.constexpr,
 ):
     n = num_streams
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mix = _mix_total(part_ptr, sumsq_ptr, toks, num_tokens, num_splits, n * hidden, rms_eps, BLOCK_T, BLOCK_M)
+    mix = _mix_total(part_ptr, sumsq_ptr, toks, num_tokens, num_splits, n * hidden, rms_eps, BLOCK_T, BLOCK_M,
+                     BLOCK_S)
     j = tl.arange(0, NP)
     base = tl.load(base_ptr + j, mask=j < n, other=0.0)
     pre = tl.sigmoid(_take(mix, 0, n, BLOCK_M, NP) * tl.load(scale_ptr) + base[None, :]) + hc_eps
@@ -344,29 +439,39 @@ def _mhc_post_mix_kernel(
     tl.store(sumsq_ptr + row, sumsq, mask=tok_ok)
 
 
-_MIX_BLOCK_T = 16  # tokens per split-K program (tl.dot needs >= 16)
-_FINISH_BLOCK_T = 8  # tokens per finish program
+_MIX_TILE = (16, 128)  # (tokens per program, K columns per loop step) of the split-K pass with tl.dot (>= 16 rows)
+_MIX_ROWS = (1, 128)  # the same without tl.dot: a decode step's tokens, and batch-invariant mode
+_MIX_DOT_MIN_T = 16  # from this many tokens the split-K pass uses tl.dot
+_MIX_PROGRAMS = 256  # split-K programs to aim for: ~2 waves of a large GPU
+
+
+def mix_partial_config(T: int, width: int, interpreted: bool = False) -> tuple[int, int, int, bool]:
+    """(tokens per program, K columns per split, K columns per loop step, tl.dot) of `_mix_partial_kernel` for T
+    tokens of width K. A decode step's few tokens go one per program without `tl.dot`, as in `post_mix_config` (the
+    16-row tile is mostly padding at one token, and is what the launch waits on); from 16 tokens the dot tile. K is
+    split so that ~2 waves of programs fill the GPU. Batch-invariant mode takes the one-token programs at every T
+    and a split fixed by the width (a token's order of partial sums then never depends on the others)."""
+    rows = pinned() or T < _MIX_DOT_MIN_T
+    block_t, block_k = _MIX_ROWS if rows else _MIX_TILE
+    block_k = 64 if interpreted else block_k
+    programs = 4 if interpreted else _MIX_PROGRAMS  # the interpreter just exercises the split
+    token_blocks = 1 if pinned() else triton.cdiv(T, block_t)
+    splits = max(1, min(triton.cdiv(width, block_k), triton.cdiv(programs, token_blocks)))
+    return block_t, triton.cdiv(triton.cdiv(width, splits), block_k) * block_k, block_k, not rows
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Launch the split-K pass -> (partials [SPLIT, T, BLOCK_M], Σx² partials [SPLIT, T], SPLIT, BLOCK_M)."""
     T, n, H = x.shape
     width, num_mix = n * H, fn.shape[0]
-    interp = on_interpreter(x)
-    block_k = 64 if interp else 128
-    block_m = max(next_pow2(num_mix), 16)
-    token_blocks = triton.cdiv(T, _MIX_BLOCK_T)
-    target_programs = 4 if interp else 256  # ~2 waves of a large GPU; the interpreter just exercises the split
-    # batch-invariant mode: the split (and so each token's order of partial sums) from the width only
-    per_split_blocks = 1 if pinned() else token_blocks
-    splits = max(1, min(triton.cdiv(width, block_k), triton.cdiv(target_programs, per_split_blocks)))
-    chunk = triton.cdiv(triton.cdiv(width, splits), block_k) * block_k
+    block_t, chunk, block_k, dot = mix_partial_config(T, width, on_interpreter(x))
+    block_m = max(next_pow2(num_mix), 16) if dot else next_pow2(num_mix)
     splits = triton.cdiv(width, chunk)
     part = torch.empty((splits, T, block_m), dtype=torch.float32, device=x.device)
     sumsq = torch.empty((splits, T), dtype=torch.float32, device=x.device)
-    _mix_partial_kernel[(token_blocks, splits)](
+    _mix_partial_kernel[(triton.cdiv(T, block_t), splits)](
         x, fn, part, sumsq, T, num_mix, width, chunk, width, fn.stride(0),
-        BLOCK_T=_MIX_BLOCK_T, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_K=block_k, DOT=dot, num_warps=4,
     )
     return part, sumsq, splits, block_m
 
@@ -384,10 +489,17 @@ def norm_finish_config(T: int, H: int, interpreted: bool = False) -> tuple[int, 
     return block_t, min(64 if interpreted else block_hd, max(next_pow2(H), 16)), warps
 
 
-def _finish_grid(x: torch.Tensor) -> tuple[tuple[int, int], int]:
-    T, _, H = x.shape
-    block_hd = min(64 if on_interpreter(x) else 256, max(next_pow2(H), 16))
-    return (triton.cdiv(T, _FINISH_BLOCK_T), triton.cdiv(H, block_hd)), block_hd
+_FINISH_ROWS = (1, 256)  # (tokens, H columns) per program of a decode step's finish without the norm
+_FINISH_TILE = (8, 256)  # the same from 16 tokens
+
+
+def finish_config(T: int, H: int, interpreted: bool = False) -> tuple[int, int]:
+    """(tokens, H columns) per program of the finish launches without the norm (hc_head's, mhc_pre's without
+    `norm_weight`; grid token blocks × H chunks). As in `norm_finish_config`, a decode step's tokens take one program
+    each (the 8-token tile left 7/8 of every load masked, and one token runs the Sinkhorn on register scalars), and
+    batch-invariant mode does at every T."""
+    block_t, block_hd = _FINISH_ROWS if pinned() or T < 16 else _FINISH_TILE
+    return block_t, min(64 if interpreted else block_hd, max(next_pow2(H), 16))
 
 
 def _check_mix(name: str, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, num_mix: int) -> None:
@@ -459,12 +571,14 @@ def _pre_finish(x, part, sumsq, splits, block_m, scale, base, rms_eps, hc_eps, s
         block_t, block_hd, warps = norm_finish_config(T, H, on_interpreter(x))
         grid = (triton.cdiv(T, block_t), 1)
     else:
-        (grid, block_hd), block_t, warps = _finish_grid(x), _FINISH_BLOCK_T, 4
+        block_t, block_hd = finish_config(T, H, on_interpreter(x))
+        grid, warps = (triton.cdiv(T, block_t), triton.cdiv(H, block_hd)), 4
     _mhc_pre_finish_kernel[grid](
         x, part, sumsq, scale.float().contiguous(), base.float().contiguous(), out, post, comb,
         norm_weight if norm else out, out32 if out32 is not None else out, T, n, H, splits, float(rms_eps),
         float(hc_eps), int(sinkhorn_iters), float(norm_eps or 0.0), BLOCK_T=block_t, BLOCK_M=block_m,
-        BLOCK_HD=block_hd, NP=next_pow2(n), NORM=norm, OUT32=out32 is not None, num_warps=warps,
+        BLOCK_S=_sum_block(splits, block_t, block_m), BLOCK_HD=block_hd, NP=next_pow2(n), NORM=norm,
+        OUT32=out32 is not None, num_warps=warps,
     )
     if out32 is not None and not norm:  # the chunked collapse has no fp32 store: one copy (no caller does this)
         out32.copy_(out)
@@ -488,11 +602,12 @@ def hc_head(
     if T == 0:
         return out
     part, sumsq, splits, block_m = _mixes(x, fn.float().contiguous())
-    grid, block_hd = _finish_grid(x)
-    _hc_head_finish_kernel[grid](
+    block_t, block_hd = finish_config(T, H, on_interpreter(x))
+    _hc_head_finish_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_hd))](
         x, part, sumsq, scale.float().contiguous(), base.float().contiguous(), out,
         T, n, H, splits, float(rms_eps), float(hc_eps),
-        BLOCK_T=_FINISH_BLOCK_T, BLOCK_M=block_m, BLOCK_HD=block_hd, NP=next_pow2(n), num_warps=4,
+        BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_S=_sum_block(splits, block_t, block_m), BLOCK_HD=block_hd,
+        NP=next_pow2(n), num_warps=4,
     )
     return out
 
