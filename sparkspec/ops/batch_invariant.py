@@ -148,16 +148,6 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _head_tile() -> tuple[int, int, int, int, int]:
-    """lm_head_triton's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), fixed for every M: its decode tile (16 rows).
-    On the H200 it costs nothing at batch 1 (271 us for V = 129,280, H = 4,096) and 925 us against the wide
-    tile's 445 at 64 rows: +0.5 ms on a Flash step of ~28 ms at batch 64 (1.7 %); the 64-row tile at every M
-    would cost +0.17 ms on the 3.8 ms batch-1 step instead (4.5 %)."""
-    from sparkspec.ops.triton_kernels.head import HEAD_DECODE
-
-    return HEAD_DECODE
-
-
 @invariant("lm_head", "cuda", "rocm", "xpu")
 def lm_head_invariant(
     h: torch.Tensor,  # [T, H] fp32
@@ -170,9 +160,12 @@ def lm_head_invariant(
 
     if weight.dtype != torch.bfloat16 or h.dtype != torch.float32 or _needs_grad(h, weight):
         return lm_head(h, weight, weight_fp32)
-    from sparkspec.ops.triton_kernels.head import lm_head_triton
+    from sparkspec.ops.triton_kernels.head import HEAD_DECODE, lm_head_triton
 
-    return lm_head_triton(h, weight, config=_head_tile())
+    # the decode tile (16 rows) at every M: on the H200 free at batch 1 (271 us for V = 129,280, H = 4,096) and 925
+    # us against the wide tile's 445 at 64 rows, +0.5 ms on a Flash step of ~28 ms (1.7 %); the 64-row tile at
+    # every M would cost +0.17 ms on the 3.8 ms batch-1 step instead (4.5 %)
+    return lm_head_triton(h, weight, config=HEAD_DECODE)
 
 
 def fp8_invariant_config(N: int, K: int, device: torch.device):

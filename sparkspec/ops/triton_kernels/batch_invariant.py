@@ -140,17 +140,16 @@ def invariant_tile(N: int, K: int, interpreter: bool, itemsize: int = 2) -> Tile
     """The tile and K chunk of an [N, K] weight of `itemsize`-byte elements: never a function of M (that is the
     point). On the GPU: 16-row tiles (a decode step's few rows fill them; prefill re-reads a weight tile per 16
     rows, from L2) by 32 columns, the whole K of a 16-bit weight in one program up to K = SPLIT_MIN_K; longer K
-    (and any fp32 K) is cut into chunks
-    so that one row block still has about GPU_PROGRAMS (tile, chunk) programs. Measured on the H200 at bench-1b's
-    shapes (`ops/triton_kernels/NOTES.md`): this tile with one chunk ran 2.5-5.1 us at M = 1..64, faster than
-    cuBLAS there, where the earlier 64-row tile split over ~264 programs took 4.7-10 us (its split's fp32
-    workspace round trip and counter cost more than the split gained). fp32 operands (exact `ieee` dots, CUDA-core
-    FMAs) take 64-deep K steps."""
+    (and any fp32 K) is cut into chunks so that one row block still has about GPU_PROGRAMS (tile, chunk)
+    programs. Measured on the H200 at bench-1b's shapes (`ops/triton_kernels/NOTES.md`): this tile with one chunk
+    ran 2.5-5.1 us at M = 1..64, faster than cuBLAS there, where the earlier 64-row tile split over ~264 programs
+    took 4.7-10 us (its split's fp32 workspace round trip and counter cost more than the split gained). fp32
+    operands (exact `ieee` dots, CUDA-core FMAs: compute-bound per program) take 64-deep K steps and always
+    split."""
     if interpreter:
         bm, bn, bk, warps, stages, target, min_k = 16, 32, 32, 4, 1, _INTERP_TARGET, 0
     else:
         bk = 64 if itemsize > 2 else 256 if K % 256 == 0 else 128
-        # fp32 (CUDA-core FMAs, compute-bound per program) always splits K over ~GPU_PROGRAMS programs
         bm, bn, warps, stages, target, min_k = 16, 32, 4, 3, GPU_PROGRAMS, 0 if itemsize > 2 else SPLIT_MIN_K
     k_tiles = triton.cdiv(max(K, 1), bk)
     splits = 1 if K <= min_k else max(1, min(k_tiles, triton.cdiv(target, triton.cdiv(N, bn))))

@@ -64,16 +64,16 @@ def _lm_head_kernel(
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
+HEAD_DECODE = (16, 128, 64, 4, 3)  # up to 16 rows (also batch-invariant mode's tile at every M)
+HEAD_WIDE = (64, 256, 64, 4, 4)  # from 17 rows
+
+
 def head_config(M: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows, from a sweep on the H200 (CUDA graphs;
     `ops/triton_kernels/NOTES.md`): V = 129,280, H = 4,096 took 271 us at M = 1 with the 16-row tile (0.43 ms
     with the earlier 64-column, 128-deep one; the weight streams in ~0.22 ms) and 445 us at M = 64 with 64 rows
     by 256 columns (the 16-row tile re-reads the weight per 16 rows: 925 us)."""
     return HEAD_DECODE if M <= 16 else HEAD_WIDE
-
-
-HEAD_DECODE = (16, 128, 64, 4, 3)  # up to 16 rows (also batch-invariant mode's tile at every M)
-HEAD_WIDE = (64, 256, 64, 4, 4)  # from 17 rows
 
 
 def lm_head_triton(

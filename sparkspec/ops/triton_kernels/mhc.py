@@ -439,9 +439,17 @@ def _mhc_post_mix_kernel(
     tl.store(sumsq_ptr + row, sumsq, mask=tok_ok)
 
 
+_TILE_MIN_T = 16  # from this many tokens the launches take token tiles (and tl.dot, which needs 16 rows)
+
+
+def _one_token_programs(T: int) -> bool:
+    """Whether the mHC launches run one token per program: a decode step's few tokens (a token tile would be mostly
+    padding), and every T in batch-invariant mode (a token's sums then never depend on the others)."""
+    return pinned() or T < _TILE_MIN_T
+
+
 _MIX_TILE = (16, 128)  # (tokens per program, K columns per loop step) of the split-K pass with tl.dot (>= 16 rows)
 _MIX_ROWS = (1, 128)  # the same without tl.dot: a decode step's tokens, and batch-invariant mode
-_MIX_DOT_MIN_T = 16  # from this many tokens the split-K pass uses tl.dot
 _MIX_PROGRAMS = 256  # split-K programs to aim for: ~2 waves of a large GPU
 
 
@@ -451,7 +459,7 @@ def mix_partial_config(T: int, width: int, interpreted: bool = False) -> tuple[i
     16-row tile is mostly padding at one token, and is what the launch waits on); from 16 tokens the dot tile. K is
     split so that ~2 waves of programs fill the GPU. Batch-invariant mode takes the one-token programs at every T
     and a split fixed by the width (a token's order of partial sums then never depends on the others)."""
-    rows = pinned() or T < _MIX_DOT_MIN_T
+    rows = _one_token_programs(T)
     block_t, block_k = _MIX_ROWS if rows else _MIX_TILE
     block_k = 64 if interpreted else block_k
     programs = 4 if interpreted else _MIX_PROGRAMS  # the interpreter just exercises the split
@@ -485,7 +493,7 @@ def norm_finish_config(T: int, H: int, interpreted: bool = False) -> tuple[int, 
     program per token block, over all of H). A decode step's tokens take one program each with wide H steps: at
     one token the 8-token tile left 7/8 of every load and of the Sinkhorn masked, over H / 256 serial steps twice.
     Batch-invariant mode takes the one-token programs at every T (a token's sums then never depend on others)."""
-    block_t, block_hd, warps = _NORM_FINISH_ROWS if pinned() or T < 16 else _NORM_FINISH_TILE
+    block_t, block_hd, warps = _NORM_FINISH_ROWS if _one_token_programs(T) else _NORM_FINISH_TILE
     return block_t, min(64 if interpreted else block_hd, max(next_pow2(H), 16)), warps
 
 
@@ -498,7 +506,7 @@ def finish_config(T: int, H: int, interpreted: bool = False) -> tuple[int, int]:
     `norm_weight`; grid token blocks × H chunks). As in `norm_finish_config`, a decode step's tokens take one program
     each (the 8-token tile left 7/8 of every load masked, and one token runs the Sinkhorn on register scalars), and
     batch-invariant mode does at every T."""
-    block_t, block_hd = _FINISH_ROWS if pinned() or T < 16 else _FINISH_TILE
+    block_t, block_hd = _FINISH_ROWS if _one_token_programs(T) else _FINISH_TILE
     return block_t, min(64 if interpreted else block_hd, max(next_pow2(H), 16))
 
 
@@ -638,7 +646,6 @@ def mhc_post(
 _POST_MIX_BLOCK_T = 16  # tokens per program of the fused post + split-K launch (tl.dot needs >= 16)
 _POST_MIX_ROWS_BLOCK_T = 1  # tokens per program without tl.dot
 _POST_MIX_ROWS_BLOCK_HD = 64  # H columns per program (and split) without tl.dot
-_POST_MIX_DOT_MIN_T = 16  # from this many tokens the launch uses tl.dot
 
 
 def post_mix_config(T: int, H: int, interpreted: bool = False) -> tuple[int, int, bool]:
@@ -647,7 +654,7 @@ def post_mix_config(T: int, H: int, interpreted: bool = False) -> tuple[int, int
     slower at one token); from 16 tokens the dot tile. Batch-invariant mode takes the one-token programs at every
     T: a token's sums then never depend on the others (one path, no padding rows), at the cost of reading the
     mixes' weights once per token."""
-    if pinned() or T < _POST_MIX_DOT_MIN_T:
+    if _one_token_programs(T):
         block_t, block_hd, dot = _POST_MIX_ROWS_BLOCK_T, _POST_MIX_ROWS_BLOCK_HD, False
     else:
         block_t, block_hd, dot = _POST_MIX_BLOCK_T, 64, True
