@@ -228,6 +228,48 @@ def test_pinned_moe_rows_do_not_depend_on_the_batch():
         assert torch.equal(moe_experts_triton(x, w13, w2, wts, ids, 10.0, config=plain)[at], alone), M
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's tl.dot is numpy's matmul (see above)")
+def test_pinned_fp4_moe_rows_do_not_depend_on_the_batch():
+    """The FP4 experts on `moe_tiles`' FP4 tile (16-row tensor-core tiles, K split in 2): one token's output is
+    bitwise the same alone and as the last row of 9 or 40 tokens."""
+    from sparkspec.ops.batch_invariant import moe_tiles
+    from sparkspec.ops.formats import Quantized
+    from sparkspec.ops.triton_kernels.moe_fp4 import moe_experts_fp4
+
+    E, H, inter, A = 4, 256, 128, 2
+    g = torch.Generator().manual_seed(21)
+
+    def stack(R, K):
+        return Quantized(torch.randint(0, 256, (E, R, K // 2), generator=g, dtype=torch.uint8).to(DEVICE),
+                         torch.randint(120, 126, (E, R, K // 32), generator=g).to(torch.uint8).to(DEVICE))
+
+    w13, w2 = stack(2 * inter, H), stack(H, inter)
+    _, tile = moe_tiles()
+    assert tile.block_m >= 16 and tile.split_k > 1  # the tensor-core path with its K split is what runs here
+    ids_all = torch.randint(0, E, (40, A), generator=g).to(DEVICE)
+    wts_all = torch.rand(40, A, generator=g).to(DEVICE)
+    x_all = rand(40, H, dtype=torch.bfloat16, seed=22)
+    alone = moe_experts_fp4(x_all[:1], w13, w2, wts_all[:1], ids_all[:1], 10.0, config=tile)[0]
+    for M in (9, 40):
+        x, ids, wts = x_all[:M].clone(), ids_all[:M].clone(), wts_all[:M].clone()
+        at = M - 1
+        x[at], ids[at], wts[at] = x_all[0], ids_all[0], wts_all[0]
+        assert torch.equal(moe_experts_fp4(x, w13, w2, wts, ids, 10.0, config=tile)[at], alone), M
+
+
+def test_dot_mode_by_dtype_and_backend():
+    from sparkspec.ops.triton_kernels.batch_invariant import dot_mode
+
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.zeros(2, 2, dtype=dtype, device=DEVICE)
+        if DEVICE.type == "cpu":
+            assert dot_mode(a) == "sum"  # the interpreter
+        elif dtype == torch.bfloat16:
+            assert dot_mode(a) == "half"
+        else:
+            assert dot_mode(a) == ("ieee" if torch.version.hip else "tf32x3")
+
+
 def test_tiny_model_greedy_tokens_are_unchanged_by_the_mode():
     """The whole forward with every GEMM through the invariant kernel (the CPU dispatch key, interpreter) gives
     the same greedy tokens as without: the mode changes rounding order, not the model."""

@@ -179,3 +179,28 @@ def test_bench_builds_random_weights_quantized(tmp_path, ranks):
     assert len(rows) == len(plain) == (2 if ranks else 1)
     for q, p in zip(rows, plain):
         assert q["ms_per_step"] > 0 and 0 < q["active_MB_per_token"] < p["active_MB_per_token"]
+
+
+def test_rows_count_preemptions_inside_the_timed_steps(monkeypatch):
+    """A row whose timed steps recomputed a preempted prompt says so (it is then not a pure decode time): with
+    two thirds of the KV blocks that 3 requests need, the count is > 0; with all of them it is 0."""
+    import dataclasses
+
+    import sparkspec.engine.llm_engine as llm_engine
+    from sparkspec.bench.latency import engine_step_ms
+    from sparkspec.loading.random_model import random_model
+
+    model, _ = random_model(ModelConfig.preset("tiny"), torch.device("cpu"), torch.float32)
+    out = {}
+    engine_step_ms(model, 3, 12, 24, out=out)
+    assert out["preemptions"] == 0 and out["kv_blocks"] > 0
+    real = llm_engine.plan_kv_cache
+
+    def two_thirds(*args, **kw):
+        plan = real(*args, **kw)
+        return dataclasses.replace(plan, num_blocks=plan.num_blocks * 2 // 3)
+
+    monkeypatch.setattr(llm_engine, "plan_kv_cache", two_thirds)
+    out = {}
+    engine_step_ms(model, 3, 12, 24, out=out)
+    assert out["preemptions"] > 0

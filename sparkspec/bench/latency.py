@@ -105,6 +105,7 @@ def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str
             return profile_steps(eng, device)
         st = eng.stats
         tokens0, spec0, acc0 = st.num_generation_tokens, st.num_spec_steps, st.num_accepted
+        preempted0 = eng.scheduler.num_preemptions
         before = probe.snapshot() if probe is not None else None
         sync(device)
         t0, steps = time.perf_counter(), 0
@@ -115,6 +116,9 @@ def engine_step_ms(model, batch: int, input_len: int, output_len: int, spec: str
         seconds = time.perf_counter() - t0
         if out is not None:
             out["tok_s"] = (st.num_generation_tokens - tokens0) / seconds
+            # a preempted request recomputes its prompt inside the timed steps: such a row is not a decode time
+            out["preemptions"] = eng.scheduler.num_preemptions - preempted0
+            out["kv_blocks"] = eng.kv_plan.num_blocks
             if probe is not None:
                 out["load"] = probe.load(before, probe.snapshot())
             if eng.spec is not None and st.num_spec_steps > spec0:
@@ -351,6 +355,7 @@ def bench_rank(pg, args) -> list[dict]:
                "floor_ms": round(floor, 4), "x_floor": round(ms / floor, 1),
                "active_GB": round(active / 1e9, 3), "active_MB_per_token": round(active / 1e6 / (b * (1 + k)), 2),
                "mem_GB": round(torch.cuda.max_memory_allocated(device) / 1e9, 1) if device.type == "cuda" else None,
+               "kv_blocks": extra["kv_blocks"], "preemptions": extra["preemptions"],
                **extra.get("load", {})}
         if "tau" in extra:
             row |= {"tau": round(extra["tau"], 2), "split_step_ms": round(extra["split_step_ms"], 3),

@@ -200,11 +200,14 @@ def fp8_block_linear_invariant(
 
 def moe_tiles():
     """(plain MoeConfig, Fp4Config) of the routed experts at every size: the plain kernel's decode tile; FP4 on
-    tensor-core tiles of 16 rows (its default switches from one-row FMA programs to tiles by the pair count)."""
+    tensor-core tiles of 16 rows by 64 columns with K split in 2 (its default switches from one-row FMA programs
+    to tiles by the pair count). On the H200 at the V4-Flash experts (E = 256, H = 4096, I = 2048, top-6) that
+    FP4 tile took 106 us at one token and 2,646 at 64 (default: 85 and 2,602), where 16 x 32 without a split
+    took 118 and 2,883 (`ops/triton_kernels/NOTES.md`)."""
     from sparkspec.ops.triton_kernels.moe import MoeConfig
     from sparkspec.ops.triton_kernels.moe_fp4 import Fp4Config
 
-    return MoeConfig(block_m=16, block_k=128), Fp4Config(block_m=16, block_n=32, groups=4)
+    return MoeConfig(block_m=16, block_k=128), Fp4Config(block_m=16, block_n=64, groups=4, split_k=2)
 
 
 @invariant("moe_experts", "cuda", "rocm", "xpu")

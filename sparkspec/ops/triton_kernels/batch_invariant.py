@@ -22,10 +22,13 @@ mix). Only the schedule depends on M, and it does not change those sums:
   adds the S partials in chunk order (never in arrival order), writes c and resets the counter to 0 for the next
   launch (CUDA-graph replay safe). One launch, no fp32 atomics on the output.
 
-fp32 accumulation; 16-bit operands go to tensor-core dots (exact products), fp32 operands to exact (`ieee`) fp32
-dots; the output is rounded once to the inputs' dtype. In the interpreter (CPU tests) a dot is an fp32
-broadcast product summed with tl.sum: its tl.dot (numpy's BLAS) rounds a row differently by its place in the tile,
-which the GPU's MMA instructions do not, and its 16-bit dots are wrong.
+fp32 accumulation; 16-bit operands go to tensor-core dots (exact products); fp32 operands on NVIDIA to
+tensor-core `tf32x3` dots (each operand split into a high and a low tf32 part, three MMAs: products to about
+2^-22 relative instead of fp32's 2^-24), elsewhere to exact (`ieee`) CUDA-core dots, which on the H200 took 3.4-11x
+cuBLAS's time at Flash's compressor and router shapes (`ops/triton_kernels/NOTES.md`). The output is rounded
+once to the inputs' dtype. Each is one instruction sequence per row whatever M is. In the interpreter (CPU
+tests) a dot is an fp32 broadcast product summed with tl.sum: its tl.dot (numpy's BLAS) rounds a row
+differently by its place in the tile, which the GPU's MMA instructions do not, and its 16-bit dots are wrong.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ def _bi_matmul_kernel(
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     HAS_BIAS: tl.constexpr,
-    DOT: tl.constexpr,  # "half": 16-bit operands into tl.dot; "ieee": fp32 ones, exact products; "sum": products
+    DOT: tl.constexpr,  # "half": 16-bit operands into tl.dot; "tf32x3" / "ieee": fp32 ones (three tf32 MMAs /
+    # exact CUDA-core products); "sum": products
     # summed by tl.sum (the interpreter, whose tl.dot is numpy's BLAS: its sums depend on a row's place in the tile)
     SPLIT: tl.constexpr,  # program_id(2) = batch · S + chunk, one chunk per program; else all chunks, one program
     BLOCK_M: tl.constexpr,
@@ -97,6 +101,8 @@ def _bi_matmul_kernel(
                         other=0.0)  # [BLOCK_K, BLOCK_N]
             if DOT == "half":
                 acc = tl.dot(a, b, acc)
+            elif DOT == "tf32x3":
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32x3")
             elif DOT == "ieee":
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
             else:  # "sum"
@@ -144,7 +150,7 @@ def invariant_tile(N: int, K: int, interpreter: bool, itemsize: int = 2) -> Tile
     programs. Measured on the H200 at bench-1b's shapes (`ops/triton_kernels/NOTES.md`): this tile with one chunk
     ran 2.5-5.1 us at M = 1..64, faster than cuBLAS there, where the earlier 64-row tile split over ~264 programs
     took 4.7-10 us (its split's fp32 workspace round trip and counter cost more than the split gained). fp32
-    operands (exact `ieee` dots, CUDA-core FMAs: compute-bound per program) take 64-deep K steps and always
+    operands (twice the bytes of a K step, `dot_mode`'s tf32x3 or ieee dots) take 64-deep K steps and always
     split."""
     if interpreter:
         bm, bn, bk, warps, stages, target, min_k = 16, 32, 32, 4, 1, _INTERP_TARGET, 0
@@ -154,6 +160,16 @@ def invariant_tile(N: int, K: int, interpreter: bool, itemsize: int = 2) -> Tile
     k_tiles = triton.cdiv(max(K, 1), bk)
     splits = 1 if K <= min_k else max(1, min(k_tiles, triton.cdiv(target, triton.cdiv(N, bn))))
     return Tile(bm, bn, bk, warps, stages, triton.cdiv(k_tiles, splits) * bk)
+
+
+def dot_mode(a: torch.Tensor) -> str:
+    """The kernel's DOT for operands like `a`: "sum" in the interpreter, "half" for 16-bit, fp32 "tf32x3" on
+    NVIDIA (Triton's 3-pass tf32 on tensor cores) and "ieee" on other GPUs."""
+    if on_interpreter(a):
+        return "sum"
+    if a.dtype != torch.float32:
+        return "half"
+    return "tf32x3" if a.device.type == "cuda" and torch.version.hip is None else "ieee"
 
 
 def _counters(device: torch.device) -> torch.Tensor | None:
@@ -209,7 +225,7 @@ def matmul_invariant(
     _bi_matmul_kernel[grid](
         a3, b3, bias if bias is not None else c, c, ws, counters if split else c, M, N, K, tile.chunk_k, num_chunks,
         a3.stride(0), a3.stride(1), a3.stride(2), b3.stride(0), b3.stride(1), b3.stride(2),
-        HAS_BIAS=bias is not None, DOT="sum" if interp else "ieee" if a.dtype == torch.float32 else "half", SPLIT=split,
+        HAS_BIAS=bias is not None, DOT=dot_mode(a), SPLIT=split,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
