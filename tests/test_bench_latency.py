@@ -204,3 +204,27 @@ def test_rows_count_preemptions_inside_the_timed_steps(monkeypatch):
     out = {}
     engine_step_ms(model, 3, 12, 24, out=out)
     assert out["preemptions"] > 0
+
+
+def test_batch_invariant_cost_times_both_modes_on_one_model(tmp_path, capsys, monkeypatch):
+    """--batch-invariant-cost: every row also holds the invariant engine's step and its ratio to the default one,
+    the invariant engine is built with the mode on (and only it), and the mode is off again afterwards."""
+    import sparkspec.bench.latency as latency
+    from sparkspec.ops.batch_invariant import batch_invariant_enabled
+
+    seen = []
+    real = latency.engine_step_ms
+
+    def spy(*args, **kw):
+        seen.append(batch_invariant_enabled())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(latency, "engine_step_ms", spy)
+    rows = run(["--preset", "tiny", "--batch-sizes", "1,2", "--batch-invariant-cost"], tmp_path)
+    assert seen == [False, True, False, True] and not batch_invariant_enabled()
+    for r in rows:
+        assert r["invariant_ms_per_step"] > 0 and r["invariant_preemptions"] == 0
+        assert r["invariant_cost"] == pytest.approx(r["invariant_ms_per_step"] / r["ms_per_step"] - 1, abs=2e-3)
+    capsys.readouterr()
+    assert main(["bench", "latency", "--preset", "tiny", "--batch-invariant-cost", "--batch-invariant"]) == 2
+    assert "--batch-invariant-cost" in capsys.readouterr().err

@@ -259,6 +259,8 @@ def run(args) -> list[dict]:
     own processes (one per device) and rank 0 gathers their rows."""
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: expected a positive integer")
+    if getattr(args, "batch_invariant_cost", False) and args.batch_invariant:
+        raise ValueError("--batch-invariant-cost times both modes itself: drop --batch-invariant")
     if args.tensor_parallel_size == 1:
         return bench_rank(None, args)
     if args.compare_transformers:
@@ -348,6 +350,19 @@ def bench_rank(pg, args) -> list[dict]:
         probe = RoutingProbe(model, args.uniform_routing, num_ep_ranks)
         ms = engine_step_ms(model, b, args.input_len, args.output_len, args.spec, args.num_spec_tokens,
                             drafter_tensors, out=extra, proposer=proposer and proposer(), probe=probe, **common)
+        invariant = {}
+        if getattr(args, "batch_invariant_cost", False):  # the same model and requests, the mode on
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            set_batch_invariant(True)
+            try:
+                bi_ms = engine_step_ms(model, b, args.input_len, args.output_len, args.spec, args.num_spec_tokens,
+                                       drafter_tensors, out=invariant, proposer=proposer and proposer(), **common)
+            finally:
+                set_batch_invariant(False)
+            invariant = {"invariant_ms_per_step": round(bi_ms, 3), "invariant_cost": round(bi_ms / ms - 1, 4),
+                         "invariant_preemptions": invariant["preemptions"]}
         active = step_bytes(model, b, args.input_len + args.output_len // 2, 1 + k, args.uniform_routing)
         floor = 1000 * active / bandwidth
         row = {"batch": b, "rank": rank, "ms_per_step": round(ms, 3),
@@ -356,7 +371,7 @@ def bench_rank(pg, args) -> list[dict]:
                "active_GB": round(active / 1e9, 3), "active_MB_per_token": round(active / 1e6 / (b * (1 + k)), 2),
                "mem_GB": round(torch.cuda.max_memory_allocated(device) / 1e9, 1) if device.type == "cuda" else None,
                "kv_blocks": extra["kv_blocks"], "preemptions": extra["preemptions"],
-               **extra.get("load", {})}
+               **extra.get("load", {}), **invariant}
         if "tau" in extra:
             row |= {"tau": round(extra["tau"], 2), "split_step_ms": round(extra["split_step_ms"], 3),
                     "verify_ms": round(extra["verify_ms"], 3), "draft_ms": round(extra["draft_ms"], 3),
@@ -443,6 +458,10 @@ def add_latency_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA / HIP graphs")
     p.add_argument("--batch-invariant", action="store_true", help=BATCH_INVARIANT_HELP)
+    p.add_argument("--batch-invariant-cost", action="store_true",
+                   help="time every batch size twice in this process on the same model and requests, with "
+                        "batch-invariant mode off and then on: the row adds invariant_ms_per_step and "
+                        "invariant_cost (its ratio to the default step, minus 1)")
     p.add_argument("--profile", action="store_true", help="also profile 8 decode steps per batch size")
     p.add_argument("--json", default=None, help="write the rows here")
     p.set_defaults(func=cmd_latency)
