@@ -257,6 +257,49 @@ def test_pinned_fp4_moe_rows_do_not_depend_on_the_batch():
         assert torch.equal(moe_experts_fp4(x, w13, w2, wts, ids, 10.0, config=tile)[at], alone), M
 
 
+def test_experts_in_token_chunks_equal_one_launch():
+    """`in_token_chunks` over an invariant fn (the native MoE one token at a time): chunks of 4 and 7 tokens,
+    with and without the shared expert's rows, give one call's output exactly, in token order (each token's
+    weights, ids and shared row follow it); at most `chunk` tokens a call."""
+    from sparkspec.ops.batch_invariant import in_token_chunks
+    from sparkspec.ops.moe import moe_experts
+
+    T, E, H, inter, A = 17, 4, 16, 8, 2
+    g = torch.Generator().manual_seed(31)
+    x, shared = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * inter, H, generator=g) * 0.3, torch.randn(E, H, inter, generator=g) * 0.3
+    ids, wts = torch.randint(0, E, (T, A), generator=g), torch.rand(T, A, generator=g)
+    sizes = []
+
+    def experts(xs, ws, es, sh):
+        sizes.append(xs.shape[0])
+        return torch.cat([moe_experts(xs[t:t + 1], w13, w2, ws[t:t + 1], es[t:t + 1], 10.0,
+                                      None if sh is None else sh[t:t + 1]) for t in range(xs.shape[0])])
+
+    for sh in (None, shared):
+        whole = experts(x, wts, ids, sh)
+        assert torch.allclose(whole, moe_experts(x, w13, w2, wts, ids, 10.0, sh), atol=1e-5)
+        for chunk in (4, 7, T):
+            sizes.clear()
+            assert torch.equal(in_token_chunks(experts, x, wts, ids, sh, chunk), whole), (chunk, sh is None)
+            assert sum(sizes) == T and max(sizes) <= chunk and len(sizes) == -(-T // chunk)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the invariant experts run the Triton kernels on a GPU")
+def test_invariant_experts_chunk_long_prefills(monkeypatch):
+    """The registered invariant experts over more than MOE_TOKEN_CHUNK tokens equal the same tokens in one launch."""
+    import sparkspec.ops.batch_invariant as bi
+
+    E, H, inter, A, T = 4, 32, 32, 2, 40
+    w13, w2 = rand(E, 2 * inter, H, seed=41) * 0.2, rand(E, H, inter, seed=42) * 0.2
+    g = torch.Generator().manual_seed(43)
+    ids, wts = torch.randint(0, E, (T, A), generator=g).to(DEVICE), torch.rand(T, A, generator=g).to(DEVICE)
+    x = rand(T, H, seed=44)
+    whole = bi.moe_experts_invariant(x, w13, w2, wts, ids, 10.0)
+    monkeypatch.setattr(bi, "MOE_TOKEN_CHUNK", 9)
+    assert torch.equal(bi.moe_experts_invariant(x, w13, w2, wts, ids, 10.0), whole)
+
+
 def test_dot_mode_by_dtype_and_backend():
     from sparkspec.ops.triton_kernels.batch_invariant import dot_mode
 

@@ -210,11 +210,26 @@ def moe_tiles():
     return MoeConfig(block_m=16, block_k=128), Fp4Config(block_m=16, block_n=64, groups=4, split_k=2)
 
 
+MOE_TOKEN_CHUNK = 8192  # tokens per launch of the invariant experts (a long prefill runs as several)
+
+
+def in_token_chunks(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    shared: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """fn(x, weights, ids, shared) -> [T, H], over at most `chunk` tokens at a time, concatenated. Exact for an
+    invariant fn (a token's row does not depend on the others), and it bounds the temporaries of a long prefill:
+    the FP4 tile's two K-split partial sums are [2, T·A, H] fp32, 24 GB for 131k tokens of V4-Flash."""
+    T = x.shape[0]
+    if T <= chunk:
+        return fn(x, weights, ids, shared)
+    return torch.cat([fn(x[t:t + chunk], weights[t:t + chunk], ids[t:t + chunk],
+                         None if shared is None else shared[t:t + chunk]) for t in range(0, T, chunk)])
+
+
 @invariant("moe_experts", "cuda", "rocm", "xpu")
 def moe_experts_invariant(x, w13, w2, weights, ids, limit: float, shared=None) -> torch.Tensor:
-    """The Triton grouped GEMMs at every size with fixed tiles (`moe_tiles`), never `torch._grouped_mm`. x [T, H],
-    w13 [E, 2I, H], w2 [E, H, I] (plain or FP4 `Quantized`), weights / ids [T, A], shared [T, H] or None
-    -> [T, H]."""
+    """The Triton grouped GEMMs at every size with fixed tiles (`moe_tiles`), never `torch._grouped_mm`, over
+    at most MOE_TOKEN_CHUNK tokens a launch (`in_token_chunks`). x [T, H], w13 [E, 2I, H], w2 [E, H, I] (plain
+    or FP4 `Quantized`), weights / ids [T, A], shared [T, H] or None -> [T, H]."""
     from sparkspec.ops.formats import Quantized
     from sparkspec.ops.moe import moe_experts
 
@@ -226,7 +241,11 @@ def moe_experts_invariant(x, w13, w2, weights, ids, limit: float, shared=None) -
     if fp4:
         from sparkspec.ops.triton_kernels.moe_fp4 import moe_experts_fp4
 
-        return moe_experts_fp4(x, w13, w2, weights, ids, limit, config=fp4_tile, shared=shared)
-    from sparkspec.ops.triton_kernels.moe import moe_experts_triton
+        def experts(xs, ws, es, sh):
+            return moe_experts_fp4(xs, w13, w2, ws, es, limit, config=fp4_tile, shared=sh)
+    else:
+        from sparkspec.ops.triton_kernels.moe import moe_experts_triton
 
-    return moe_experts_triton(x, w13, w2, weights, ids, limit, config=plain_tile, shared=shared)
+        def experts(xs, ws, es, sh):
+            return moe_experts_triton(xs, w13, w2, ws, es, limit, config=plain_tile, shared=sh)
+    return in_token_chunks(experts, x, weights, ids, shared, MOE_TOKEN_CHUNK)
