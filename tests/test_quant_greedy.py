@@ -57,3 +57,42 @@ def test_comparison_bookkeeping():
                        "took_second": True, "near_tie": True}
     assert rows[1]["first_difference"] == 1 and rows[1]["took_second"] and not rows[1]["near_tie"]
     assert compare([[1, 2]], [[1, 2]], [lps[0]], 1e-2) == [{"prompt": 0, "equal": True}]
+
+
+def test_fp8_activation_switch_is_scoped_and_read_by_the_fp8_path(monkeypatch):
+    """`fp8_activations` sets SPARKSPEC_FP8_ACTIVATIONS only inside (restoring an earlier value or its absence),
+    and the cuBLAS FP8 path's gate reads it: off keeps every step on the kernels that leave x unquantised."""
+    import os
+
+    from sparkspec.bench.quant_greedy import fp8_activations
+    from sparkspec.ops import quant
+
+    monkeypatch.delenv("SPARKSPEC_FP8_ACTIVATIONS", raising=False)
+    with fp8_activations(False):
+        assert os.environ["SPARKSPEC_FP8_ACTIVATIONS"] == "0"
+    assert "SPARKSPEC_FP8_ACTIVATIONS" not in os.environ
+    monkeypatch.setenv("SPARKSPEC_FP8_ACTIVATIONS", "1")
+    with fp8_activations(False):
+        assert os.environ["SPARKSPEC_FP8_ACTIVATIONS"] == "0"
+    assert os.environ["SPARKSPEC_FP8_ACTIVATIONS"] == "1"
+
+    # the gate, on a stand-in for a large CUDA step (everything else about the device made to pass)
+    class FakeCuda:
+        type, index = "cuda", 0
+
+    class X:
+        device = FakeCuda()
+
+        def numel(self):
+            return quant.SCALED_MM_MIN_ROWS * 128
+
+    w = torch.empty(128, 128)
+    monkeypatch.setattr(quant.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(quant, "_PROBED", {0: True})
+    monkeypatch.setattr(quant.torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(quant.F, "scaled_mm", object(), raising=False)
+    monkeypatch.setattr(quant.F, "ScalingType", type("S", (), {"BlockWise128x128": 1}), raising=False)
+    with fp8_activations(True):
+        assert quant.scaled_mm_usable(X(), w)
+    with fp8_activations(False):
+        assert not quant.scaled_mm_usable(X(), w)

@@ -1,5 +1,4 @@
-"""Greedy tokens of the quantised weights against the same weights dequantised: where they part, whether the
-dequantised model stood at a near-tie there.
+"""Greedy tokens of quantised weights against the same weights dequantised, and the top-2 gap where they part.
 
     python -m sparkspec.bench.quant_greedy --preset deepseek-v4-flash --num-layers 4 --num-prompts 8 --max-tokens 32
 
@@ -11,12 +10,20 @@ two log-probabilities of every token. A prompt whose tokens differ reports the f
 dequantised model's top-2 gap there (log-probabilities of greedy rows are the raw logits' log-softmax, so the gap
 is the logit gap), and whether the quantised path took the dequantised model's second choice. Prints one line per
 prompt and a summary; `--json` writes them.
+
+FP8 activations: on CUDA (sm90 / sm100) a step of at least `ops.quant.SCALED_MM_MIN_ROWS` rows (a prefill of
+8 x 128 tokens is one) runs the FP8 linears on cuBLAS with the activations quantised to e4m3 per 1 x 128 block (the
+DeepSeek recipe), which the dequantised model does not do: that rounding, not the kernels, then parts the tokens.
+`--fp8-activations off` (the default) keeps the activations in `--dtype` in every step, so the two models differ
+only by where the kernels round; `on` measures the recipe as served.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 
 
@@ -55,9 +62,25 @@ def compare(quantized: list[list[int]], reference: list[list[int]], ref_logprobs
     return rows
 
 
+@contextlib.contextmanager
+def fp8_activations(on: bool):
+    """The FP8 linears' activation quantisation (`SPARKSPEC_FP8_ACTIVATIONS`, read per call) on or off inside."""
+    before = os.environ.get("SPARKSPEC_FP8_ACTIVATIONS")
+    os.environ["SPARKSPEC_FP8_ACTIVATIONS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPARKSPEC_FP8_ACTIVATIONS")
+        else:
+            os.environ["SPARKSPEC_FP8_ACTIVATIONS"] = before
+
+
 def run(preset: str, num_layers: int | None, device: str | None, dtype: str, num_prompts: int, prompt_len: int,
-        max_tokens: int, seed: int = 0, log=print) -> tuple[list[list[int]], list[list[int]], list]:
-    """-> (quantised tokens, dequantised tokens, dequantised top-2 logprobs) per prompt."""
+        max_tokens: int, seed: int = 0, log=print, quantize_activations: bool = False, enforce_eager: bool = False
+        ) -> tuple[list[list[int]], list[list[int]], list]:
+    """-> (quantised tokens, dequantised tokens, dequantised top-2 logprobs) per prompt. `quantize_activations`:
+    let the quantised model's large steps quantise the FP8 linears' inputs (module docstring)."""
     import torch
 
     from sparkspec.bench.latency import truncated
@@ -75,15 +98,17 @@ def run(preset: str, num_layers: int | None, device: str | None, dtype: str, num
     model, _ = random_model(cfg, dev, getattr(torch, dtype), seed=seed, quantization="keep")
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
-    config = dict(max_num_seqs=num_prompts, max_model_len=prompt_len + max_tokens + 16)
+    config = dict(max_num_seqs=num_prompts, max_model_len=prompt_len + max_tokens + 16, enforce_eager=enforce_eager)
 
     def decode(logprobs: int | None):
         engine = LLMEngine(model, None, EngineConfig(**config))
         out = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs))
         return [o.token_ids for o in out], [o.logprobs for o in out]
 
-    quantized, _ = decode(None)
-    log(f"  quantised: done at {time.perf_counter() - t0:.1f} s")
+    with fp8_activations(quantize_activations):
+        quantized, _ = decode(None)
+    log(f"  quantised (FP8 activations {'on' if quantize_activations else 'off'}): done at "
+        f"{time.perf_counter() - t0:.1f} s")
     replaced = dequantize_layers_(model, getattr(torch, dtype))
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -102,10 +127,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--near-tie", type=float, default=1e-2, help="a top-2 gap below this is a near-tie")
+    p.add_argument("--fp8-activations", choices=["off", "on"], default="off",
+                   help="on: large steps quantise the FP8 linears' inputs to e4m3 as served (see the module doc); "
+                        "off: inputs stay in --dtype, so only the kernels' rounding differs")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (compiles only the shapes run)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     quantized, reference, logprobs = run(args.preset, args.num_layers, args.device, args.dtype, args.num_prompts,
-                                         args.prompt_len, args.max_tokens)
+                                         args.prompt_len, args.max_tokens,
+                                         quantize_activations=args.fp8_activations == "on",
+                                         enforce_eager=args.enforce_eager)
     rows = compare(quantized, reference, logprobs, args.near_tie)
     for r in rows:
         print(f"prompt {r['prompt']}: " + ("equal" if r["equal"] else
