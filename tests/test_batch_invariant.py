@@ -219,13 +219,17 @@ def test_pinned_moe_rows_do_not_depend_on_the_batch():
     plain, _ = moe_tiles()
     ids_all = torch.randint(0, E, (40, A), generator=torch.Generator().manual_seed(15)).to(DEVICE)
     wts_all = torch.rand(40, A, generator=torch.Generator().manual_seed(16)).to(DEVICE)
-    x_all = rand(40, H, seed=17)
-    alone = moe_experts_triton(x_all[:1], w13, w2, wts_all[:1], ids_all[:1], 10.0, config=plain)[0]
+    _token_alone_equals_last_row(lambda x, w, i: moe_experts_triton(x, w13, w2, w, i, 10.0, config=plain),
+                                 rand(40, H, seed=17), wts_all, ids_all)
+
+
+def _token_alone_equals_last_row(experts, x_all, wts_all, ids_all):
+    """experts(x, weights, ids) -> [T, H]: token 0 alone gives bitwise its row as the last of 9 or 40 tokens."""
+    alone = experts(x_all[:1], wts_all[:1], ids_all[:1])[0]
     for M in (9, 40):
         x, ids, wts = x_all[:M].clone(), ids_all[:M].clone(), wts_all[:M].clone()
-        at = M - 1
-        x[at], ids[at], wts[at] = x_all[0], ids_all[0], wts_all[0]
-        assert torch.equal(moe_experts_triton(x, w13, w2, wts, ids, 10.0, config=plain)[at], alone), M
+        x[M - 1], ids[M - 1], wts[M - 1] = x_all[0], ids_all[0], wts_all[0]
+        assert torch.equal(experts(x, wts, ids)[M - 1], alone), M
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's tl.dot is numpy's matmul (see above)")
@@ -248,13 +252,8 @@ def test_pinned_fp4_moe_rows_do_not_depend_on_the_batch():
     assert tile.block_m >= 16 and tile.split_k > 1  # the tensor-core path with its K split is what runs here
     ids_all = torch.randint(0, E, (40, A), generator=g).to(DEVICE)
     wts_all = torch.rand(40, A, generator=g).to(DEVICE)
-    x_all = rand(40, H, dtype=torch.bfloat16, seed=22)
-    alone = moe_experts_fp4(x_all[:1], w13, w2, wts_all[:1], ids_all[:1], 10.0, config=tile)[0]
-    for M in (9, 40):
-        x, ids, wts = x_all[:M].clone(), ids_all[:M].clone(), wts_all[:M].clone()
-        at = M - 1
-        x[at], ids[at], wts[at] = x_all[0], ids_all[0], wts_all[0]
-        assert torch.equal(moe_experts_fp4(x, w13, w2, wts, ids, 10.0, config=tile)[at], alone), M
+    _token_alone_equals_last_row(lambda x, w, i: moe_experts_fp4(x, w13, w2, w, i, 10.0, config=tile),
+                                 rand(40, H, dtype=torch.bfloat16, seed=22), wts_all, ids_all)
 
 
 def test_experts_in_token_chunks_equal_one_launch():
