@@ -398,13 +398,14 @@ class LLMEngine:
         produced, host_drafting = {}, []
         num_decode_rows = num_new = 0
         now = time.perf_counter()  # the step's first-token time, for every request it gives a first token
-        for i, it in enumerate(items):
-            seq = it.seq
-            before = seq.num_cached_tokens - (it.num_tokens if advanced else 0)
-            if seq.output_ids and before + it.num_tokens == seq.num_tokens:  # it.samples
+        append_tokens, needs_text, target = self.append_tokens, self.needs_text, TokenSource.TARGET
+        for i, it in enumerate(items):  # (hot at high concurrency: lookups hoisted)
+            seq, n = it.seq, it.num_tokens
+            before = seq.num_cached_tokens - (n if advanced else 0)
+            if seq.output_ids and before + n == len(seq.prompt_ids) + len(seq.output_ids):  # it.samples
                 num_decode_rows += 1
             if not advanced:
-                seq.num_cached_tokens += it.num_tokens
+                seq.num_cached_tokens += n
             if prompt_lps and i in prompt_lps:
                 seq.prompt_logprobs += prompt_lps[i]
             row = rows.get(i)
@@ -420,9 +421,9 @@ class LLMEngine:
                 spec.keep(seq, row.next_drafts, row.next_confidences,
                           result.draft_row[i] if result.proposed_q else -1)
             if seq.grammar is None and seq.params.max_tokens > 0:
-                new = self.append_tokens(seq, row.token_ids, now)
+                new = append_tokens(seq, row.token_ids, now)
                 num_new += len(new)
-                if self.needs_text(seq):
+                if needs_text(seq):
                     self.update_text(seq)
             else:
                 before = len(seq.output_ids)
@@ -432,7 +433,7 @@ class LLMEngine:
             if num_drafts:
                 seq.token_sources += TokenSource.of_step(num_drafts, row.num_accepted)[: len(new)]
             elif new:
-                seq.token_sources.append(TokenSource.TARGET)
+                seq.token_sources.append(target)
             if seq.logprobs is not None:
                 seq.logprobs += row.logprobs[: len(new)]
             if spec is not None and not spec.proposer.on_device and not seq.is_finished and seq.spec_cap != 0:

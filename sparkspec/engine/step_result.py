@@ -20,7 +20,7 @@ NONFINITE_ERROR = "the model's distribution for this request is not finite (NaN/
 Logprobs = list[dict[int, float]]  # per token: {id: logprob}, the top-N highest first, then the token if not among them
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledRow:
     """One sampling request's result, on the host."""
 
@@ -76,6 +76,12 @@ def read_step(p: PackedStep, host: dict, q_store: torch.Tensor | None) -> StepRe
     conf = None
     if has_drafts and "confidences" in host:
         conf = np.asarray(host["confidences"][0], dtype=np.float64).reshape(S, k)[:, :keep].tolist()  # [S][keep]
+    proposed_q = q_store is not None and bool(k) and p.mode != "greedy"
+    draft_row = {i: r for r, i in enumerate(p.sampling)}
+    if nxt is None and not p.logprob_rows:  # no drafts to keep, no logprobs: one comprehension (most steps)
+        rows = {i: SampledRow(n, t[: n + 1], [], None, None, None if ok else NONFINITE_ERROR)
+                for i, n, t, ok in zip(p.sampling, L, toks, finite)}
+        return StepResult(rows, proposed_q, draft_row, prompt)
     lp_of = {r: j for j, r in enumerate(p.logprob_rows)}
     rows = {}
     for r, i in enumerate(p.sampling):
@@ -86,8 +92,7 @@ def read_step(p: PackedStep, host: dict, q_store: torch.Tensor | None) -> StepRe
                                 p.num_top)
         rows[i] = SampledRow(L[r], emitted, nxt[r] if nxt is not None else [], conf[r] if conf is not None else None,
                              lps, None if finite[r] else NONFINITE_ERROR)
-    proposed_q = q_store is not None and bool(k) and p.mode != "greedy"
-    return StepResult(rows, proposed_q, {i: r for r, i in enumerate(p.sampling)}, prompt)
+    return StepResult(rows, proposed_q, draft_row, prompt)
 
 
 def read_prompt_logprobs(pieces: list[list[float]], items: list[ScheduledSeq],
