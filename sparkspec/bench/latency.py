@@ -338,27 +338,32 @@ def bench_rank(pg, args) -> list[dict]:
     num_ep_ranks = world if args.enable_expert_parallel else 1
     k = 0 if args.spec == "none" else (args.num_spec_tokens or (model.cfg.dspark_block_size if args.spec == "dspark"
                                                                  else 1))
+
+    def release() -> None:  # the last engine (KV pools, graphs) goes before the next one is built
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def step_ms(b: int, output_len: int = args.output_len, **kw) -> float:  # every engine of the table is so built
+        return engine_step_ms(model, b, args.input_len, output_len, args.spec, args.num_spec_tokens, drafter_tensors,
+                              proposer=proposer and proposer(), enforce_eager=args.enforce_eager,
+                              max_num_batched_tokens=args.max_num_batched_tokens, **kw)
+
     rows = []
     for b in args.batch_sizes:
-        common = {"enforce_eager": args.enforce_eager, "max_num_batched_tokens": args.max_num_batched_tokens}
         if args.profile:
-            prof = engine_step_ms(model, b, args.input_len, 16, args.spec, args.num_spec_tokens, drafter_tensors,
-                                  profile=True, proposer=proposer and proposer(), **common)
+            prof = step_ms(b, 16, profile=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         extra = {}
-        probe = RoutingProbe(model, args.uniform_routing, num_ep_ranks)
-        ms = engine_step_ms(model, b, args.input_len, args.output_len, args.spec, args.num_spec_tokens,
-                            drafter_tensors, out=extra, proposer=proposer and proposer(), probe=probe, **common)
+        ms = step_ms(b, out=extra, probe=RoutingProbe(model, args.uniform_routing, num_ep_ranks))
+        mem_gb = round(torch.cuda.max_memory_allocated(device) / 1e9, 1) if device.type == "cuda" else None
         invariant = {}
         if getattr(args, "batch_invariant_cost", False):  # the same model and requests, the mode on
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release()
             set_batch_invariant(True)
             try:
-                bi_ms = engine_step_ms(model, b, args.input_len, args.output_len, args.spec, args.num_spec_tokens,
-                                       drafter_tensors, out=invariant, proposer=proposer and proposer(), **common)
+                bi_ms = step_ms(b, out=invariant)
             finally:
                 set_batch_invariant(False)
             invariant = {"invariant_ms_per_step": round(bi_ms, 3), "invariant_cost": round(bi_ms / ms - 1, 4),
@@ -369,7 +374,7 @@ def bench_rank(pg, args) -> list[dict]:
                "tok_s": round(extra.get("tok_s", 1000 * b / ms), 1),
                "floor_ms": round(floor, 4), "x_floor": round(ms / floor, 1),
                "active_GB": round(active / 1e9, 3), "active_MB_per_token": round(active / 1e6 / (b * (1 + k)), 2),
-               "mem_GB": round(torch.cuda.max_memory_allocated(device) / 1e9, 1) if device.type == "cuda" else None,
+               "mem_GB": mem_gb,  # the default engine's peak (before the invariant one's)
                "kv_blocks": extra["kv_blocks"], "preemptions": extra["preemptions"],
                **extra.get("load", {}), **invariant}
         if "tau" in extra:
@@ -396,9 +401,7 @@ def bench_rank(pg, args) -> list[dict]:
             for r in gathered:
                 print(table_row(r.get(k) for k in cells), flush=True)
         rows += gathered
-        gc.collect()  # the batch's engine (KV pools, graphs) goes before the next one is built
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release()
     if rank != 0:
         return rows
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
