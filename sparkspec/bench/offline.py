@@ -7,10 +7,12 @@ fixed output length (EOS ignored), one engine per speculative setting (`none`, `
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from sparkspec.bench.common import RequestTiming, format_table, plot, require_plotting, summarize, write_json
 from sparkspec.bench.prompts import load_prompts
@@ -141,6 +143,9 @@ def run_offline(args) -> list[dict]:
             queried, hit = engine.stats.num_prefix_cache_queries, engine.stats.num_prefix_cache_hits
             steps, skipped = engine.stats.num_steps, engine.stats.num_drafter_skipped_steps
             preempted = engine.scheduler.num_preemptions
+            budget = engine.spec.budget if engine.spec is not None else None
+            if getattr(args, "trace_budget", None) and budget is not None:
+                budget.trace = []  # this level's decisions and filed steps
             r = run_level(engine, prompt_ids, c, n, params, setting.method, k, args.profile_host)
             row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
             # what a row's speed also depends on: the KV blocks this engine got, preemptions in the level, and the
@@ -156,6 +161,8 @@ def run_offline(args) -> list[dict]:
             if setting.method != "none":  # steps whose drafter ran (the adaptive budget's drafting arm)
                 steps, skipped = engine.stats.num_steps - steps, engine.stats.num_drafter_skipped_steps - skipped
                 row["drafting_step_frac"] = round(1 - skipped / max(steps, 1), 3)
+            if budget is not None and budget.trace is not None:
+                row["budget_trace"], budget.trace = budget.trace, None
             extra = ""
             if "host_profile" in r:
                 row.update(r["host_profile"])
@@ -182,6 +189,22 @@ def release(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def summarize_trace(events: list[dict]) -> str:
+    """One line: decisions per arm (probes apart), steps filed per arm with their mean ms and tokens."""
+    from collections import Counter
+
+    decided = Counter(("probe " if e["probe"] else "") + e["decided"] for e in events if "decided" in e)
+    parts = [f"{n} {arm}" for arm, n in sorted(decided.items())]
+    for arm in ("plain", "spec"):
+        filed = [e for e in events if e.get("filed") == arm]
+        if filed:
+            ms = sum(e["ms"] for e in filed) / len(filed)
+            toks = [e["tokens"] for e in filed if e["tokens"] is not None]
+            parts.append(f"filed {arm} {len(filed)} x {ms:.2f} ms"
+                         + (f", {sum(toks) / len(toks):.1f} tokens" if toks else ""))
+    return "; ".join(parts)
 
 
 def shared_prefix_prompts(tok, texts: list[str], prefix_tokens: int, limit: int) -> list[list[int]]:
@@ -237,6 +260,9 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--process-per-setting", action="store_true",
                    help="run each setting in a fresh process (its model loaded again): a setting's rows then do not "
                         "depend on the settings run before it")
+    p.add_argument("--trace-budget", default=None, metavar="PATH",
+                   help="write every decision of a drafting setting's budget (arm, why, the measured tokens per "
+                        "second of each arm) and every step it filed, per level, to this JSON file")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
     p.add_argument("--plot", default=None, help="PNG path for throughput vs concurrency")
     p.set_defaults(func=cmd_offline)
@@ -264,6 +290,12 @@ def cmd_offline(args) -> int:
     if args.plot:
         require_plotting()
     rows = run_isolated(args) if getattr(args, "process_per_setting", False) else run_offline(args)
+    traces = [{"setting": r["setting"], "concurrency": r["concurrency"], "events": r.pop("budget_trace")}
+              for r in rows if "budget_trace" in r]
+    if getattr(args, "trace_budget", None):
+        Path(args.trace_budget).write_text(json.dumps(traces))
+        for t in traces:
+            print(f"budget trace {t['setting']} c={t['concurrency']}: {summarize_trace(t['events'])}", file=sys.stderr)
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
             "temperature": args.temperature, "profile_host": bool(args.profile_host),

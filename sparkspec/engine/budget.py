@@ -304,6 +304,8 @@ class VerificationBudget:
         self._last_step: tuple[int, bool, bool, bool] | None = None  # (bucket requests, verified any, proposed
         # any, carried a prompt chunk)
         self._last_tokens: int | None = None  # tokens the step in progress produced (`note_tokens`)
+        # a list to append every decision and every filed step to (`bench offline --trace-budget`); None: off
+        self.trace: list[dict] | None = None
 
     # ---- whole-step wall time ----
     def step_boundary(self) -> None:
@@ -314,8 +316,11 @@ class VerificationBudget:
         if self._step_start is not None and self._last_step is not None:
             num_reqs, verified, proposed, has_prompt = self._last_step
             if verified == proposed and not has_prompt:
-                self.step_times.observe(num_reqs, "spec" if verified else "plain", now - self._step_start,
-                                        self._last_tokens)
+                arm: Arm = "spec" if verified else "plain"
+                self.step_times.observe(num_reqs, arm, now - self._step_start, self._last_tokens)
+                if self.trace is not None:
+                    ms = round(1e3 * (now - self._step_start), 3)
+                    self.trace.append({"filed": arm, "running": num_reqs, "ms": ms, "tokens": self._last_tokens})
         self._step_start, self._last_step, self._last_tokens = now, None, None
 
     def note_step(self, num_reqs: int, num_verified: int, num_proposed: int, has_prompt: bool = False) -> None:
@@ -467,6 +472,11 @@ class VerificationBudget:
             arm = st.arm
         k = k_spec if arm == "spec" else 0
         self._proposing = k > 0
+        if self.trace is not None:
+            self.trace.append({"decided": arm, "running": key, "k": k, "best": best, "prior": prior,
+                               "probe": st.arm if arm != best else None, "measured": self.measured(key),
+                               "has_prompt": has_prompt,
+                               "theta": {a: round(t, 1) for a, t in theta.items()}})
         return k
 
     def _leads_by(self, key: int, plain_theta: float) -> bool:
