@@ -161,15 +161,30 @@ def test_a_wait_outside_execute_is_not_other(monkeypatch):
 
 
 def test_profile_host_on_the_demo(tmp_path, capsys):
+    import gc
+
     from sparkspec.cli import main
     from sparkspec.paths import DEFAULT_MODEL
 
-    out = tmp_path / "b.json"
+    out, trace = tmp_path / "b.json", tmp_path / "trace.json"
     rc = main(["bench", "offline", "--model", str(DEFAULT_MODEL), "--settings", "none,dspark:adaptive",
                "--concurrency", "1,2", "--output-len", "8", "--min-requests", "2", "--requests-per-client", "1",
-               "--max-prompt-tokens", "48", "--num-prompts", "4", "--profile-host", "--json", str(out)])
+               "--max-prompt-tokens", "48", "--num-prompts", "4", "--profile-host", "--json", str(out),
+               "--trace-budget", str(trace)])
     assert rc == 0
-    assert "host us/step" in capsys.readouterr().out
+    assert gc.get_freeze_count() == 0  # each setting's engine was frozen after its start, and thawed when released
+    captured = capsys.readouterr()
+    assert "host us/step" in captured.out and "gc us/step" in captured.out
+    # the budget's trace: one entry per drafting level, each decision an arm with its k, each filed step timed
+    levels = json.loads(trace.read_text())
+    assert [(t["setting"], t["concurrency"]) for t in levels] == [("dspark adaptive", 1), ("dspark adaptive", 2)]
+    assert "budget trace dspark adaptive c=1:" in captured.err
+    for t in levels:
+        decided = [e for e in t["events"] if "decided" in e]
+        filed = [e for e in t["events"] if "filed" in e]
+        assert decided and all((e["k"] > 0) == (e["decided"] == "spec") for e in decided)
+        assert all(e["probe"] is None or e["probe"] == e["decided"] != e["best"] for e in decided)
+        assert all(e["ms"] > 0 and e["filed"] in ("plain", "spec") for e in filed)
     data = json.loads(out.read_text())
     assert data["meta"]["profile_host"] is True
     rows = data["results"]
@@ -186,6 +201,8 @@ def test_profile_host_on_the_demo(tmp_path, capsys):
         assert all(v >= 0 for v in ph.values()) and ph["execute"] > 0 and ph["schedule"] > 0
         if r["setting"] != "none":
             assert ph["choose"] > 0 and ph["propose_plan"] > 0
+        assert len(r["gc_collections"]) == 3 and r["gc_us_per_step"] >= 0
+        assert "budget_trace" not in r  # the trace goes to its own file
 
 
 def test_without_the_flag_rows_have_no_profile(tmp_path):
@@ -199,3 +216,30 @@ def test_without_the_flag_rows_have_no_profile(tmp_path):
     assert rc == 0
     row = json.loads(out.read_text())["results"][0]
     assert "host_us_per_step" not in row and "phase_us_per_step" not in row
+
+
+def test_profiler_times_the_cyclic_collector_while_attached():
+    """Collections inside the block are counted per generation and timed; the callback goes with the block."""
+    import gc
+
+    prof = HostProfiler()
+    engine = FakeEngine(Clock())
+    with prof.attach(engine):
+        gc.collect(0)
+        gc.collect(2)
+    assert prof.gc_counts[0] >= 1 and prof.gc_counts[2] >= 1 and sum(prof.gc_seconds) > 0
+    assert prof._gc_callback not in gc.callbacks
+    gc.collect()
+    assert prof.gc_counts[2] == 1  # nothing counted after the block
+
+
+def test_freeze_startup_heap_moves_live_objects_out_of_collections():
+    import gc
+
+    from sparkspec.engine.llm import freeze_startup_heap
+
+    try:
+        assert freeze_startup_heap() == gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0

@@ -83,7 +83,7 @@ PROFILE_COLUMNS = [("host_us_per_step", "host us/step", "{:.0f}"), ("host_us_per
                    ("device_wait_frac", "dev wait", "{:.2f}"), ("device_busy_frac", "dev busy", "{:.2f}"),
                    ("graph_replays_per_step", "graphs/step", "{:.2f}"),
                    ("eager_forwards_per_step", "eager/step", "{:.2f}"),
-                   ("eager_us_per_step", "eager us/step", "{:.0f}")]
+                   ("eager_us_per_step", "eager us/step", "{:.0f}"), ("gc_us_per_step", "gc us/step", "{:.0f}")]
 
 
 def table_head(names) -> str:

@@ -17,6 +17,8 @@ Definitions (per concurrency level; `steps` = `LLMEngine.step` calls that schedu
                         and busy = time in `execute` / wall.
   * phases              us per step in each wrapped piece, `other` = the rest of `step` (no device wait),
                         `outside` = the caller's loop between steps (adding requests, reading outputs)
+  * gc                  us per step in Python's cyclic garbage collector (`gc.callbacks`), wherever it struck;
+                        `gc_collections` per generation, `gc_full_ms` the mean full (generation-2) collection
   * forwards            per step: graph replays (`graph_replays`, a split step replays several) and eager forwards
                         (`eager_forwards`, with `eager_us`: host us per step inside them, where launch-bound eager
                         steps show up; both inside `execute`)
@@ -45,6 +47,17 @@ class HostProfiler:
         self._cuda = False
         self._executing = False  # inside the runner's execute / launch
         self.wait_outside_execute = 0.0  # device wait that no other phase contains (async scheduling's reads)
+        self.gc_seconds = [0.0, 0.0, 0.0]  # time in the cyclic collector during the level, per generation
+        self.gc_counts = [0, 0, 0]
+        self._gc_start = 0.0
+
+    def _gc_callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = self.clock()
+        else:
+            g = info["generation"]
+            self.gc_counts[g] += 1
+            self.gc_seconds[g] += self.clock() - self._gc_start
 
     def _inside_execute(self, fn: Callable) -> Callable:
         def wrapper(*args, **kwargs):
@@ -172,9 +185,13 @@ class HostProfiler:
         step_io.Download.fetch = wait_wrapper(fetch)
         wait = step_io.PendingFetch.wait  # the read of a step launched ahead (outside `execute`)
         step_io.PendingFetch.wait = wait_wrapper(wait)
+        import gc
+
+        gc.callbacks.append(self._gc_callback)
         try:
             yield self
         finally:
+            gc.callbacks.remove(self._gc_callback)
             step_io.Download.fetch = fetch
             step_io.PendingFetch.wait = wait
             for obj, name in reversed(patched):
@@ -212,4 +229,8 @@ class HostProfiler:
             "graph_replays_per_step": round(self.num_replays / n, 2),
             "eager_forwards_per_step": round(self.num_eager / n, 2),
             "eager_us_per_step": round(1e6 * self.eager_seconds / n, 1),
+            # inside the phases above, wherever a collection struck: Python's cyclic collector, per step and in all
+            "gc_us_per_step": round(1e6 * sum(self.gc_seconds) / n, 1),
+            "gc_collections": list(self.gc_counts),
+            "gc_full_ms": round(1e3 * max(self.gc_seconds[2], 0.0) / max(self.gc_counts[2], 1), 2),
         }

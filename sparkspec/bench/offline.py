@@ -99,7 +99,7 @@ def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, num_reque
 def run_offline(args) -> list[dict]:
     import torch
 
-    from sparkspec.engine.llm import build_llm
+    from sparkspec.engine.llm import build_llm, freeze_startup_heap
     from sparkspec.loading.checkpoint import load_checkpoint
     from sparkspec.platform import check_device
     from sparkspec.sampling_params import SamplingParams
@@ -134,6 +134,8 @@ def run_offline(args) -> list[dict]:
         engine.emit_unfinished = False  # the loop reads finished requests only, as `LLM.generate` does
         startup = time.perf_counter() - t0
         engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        if getattr(args, "freeze_gc", False):
+            freeze_startup_heap()
         for c in concurrencies:
             n = max(c * args.requests_per_client, args.min_requests)
             k = engine.spec.num_spec_tokens if engine.spec is not None else 0
@@ -185,6 +187,7 @@ def release(device) -> None:
 
     import torch
 
+    gc.unfreeze()  # what `freeze_startup_heap` froze (the engine just dropped among it) is collectable again
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -257,6 +260,9 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
                    help=NO_ASYNC_SCHEDULING_HELP)
     p.add_argument("--profile-host", action="store_true",
                    help="time the engine's step pieces: host us per step / per request, device-busy fraction")
+    p.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
+                   help="leave the start-up heap in Python's cyclic collector (by default it is frozen once the engine "
+                        "is built, as the server does: `engine.llm.freeze_startup_heap`)")
     p.add_argument("--process-per-setting", action="store_true",
                    help="run each setting in a fresh process (its model loaded again): a setting's rows then do not "
                         "depend on the settings run before it")
@@ -299,6 +305,7 @@ def cmd_offline(args) -> int:
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
             "temperature": args.temperature, "profile_host": bool(args.profile_host),
+            "freeze_gc": bool(getattr(args, "freeze_gc", True)),
             "enable_prefix_caching": args.enable_prefix_caching, "shared_prefix_tokens": args.shared_prefix_tokens,
             "sampling_scheme": args.sampling_scheme,
             "batch_invariant": bool(getattr(args, "batch_invariant", False)),

@@ -89,6 +89,21 @@ class LLM:
             finish(self.engine)
 
 
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object alive (the model, tokenizer, captured graphs, tables: ~10^5 objects
+    that live as long as the engine) into the cyclic collector's permanent generation, as vLLM does once its engine
+    has started. Full collections then scan only what serving allocates: at c = 256 on the demo pair one full
+    collection of the start-up heap took ~48 ms on a 2-core CPU, inside a level of ~130 steps. Call it once the
+    engine is built and warm (the servers and `bench offline` do). Frozen objects are never collected while frozen:
+    a process that drops an engine and builds another calls `gc.unfreeze()` before it collects (`bench offline`'s
+    `release`). -> objects frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def build_llm(model, tensor_parallel_size: int = 1, device: str | None = None, dtype: str | None = None,
               quantization: str = "auto", expert_parallel: bool = False, progress: bool = True,
               **llm_kwargs) -> LLM:

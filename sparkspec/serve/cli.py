@@ -148,6 +148,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def cmd_serve(args) -> int:
     from sparkspec.engine.async_engine import AsyncLLMEngine
+    from sparkspec.engine.llm import freeze_startup_heap
     from sparkspec.platform import check_device
     from sparkspec.serve.api import create_app
     from sparkspec.serve.connections import ConnectionLimits, uvicorn_config
@@ -184,6 +185,7 @@ def cmd_serve(args) -> int:
                             timeout_graceful_shutdown=5)
     server = _server_class()(config, app.state.drain, args.shutdown_timeout)
     async_engine.on_death = server.engine_died
+    freeze_startup_heap()  # full collections while serving scan what serving allocates, not the model
     try:
         server.run(sockets=[sock])
     finally:
