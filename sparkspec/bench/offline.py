@@ -7,6 +7,7 @@ fixed output length (EOS ignored), one engine per speculative setting (`none`, `
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -263,6 +264,9 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="leave the start-up heap in Python's cyclic collector (by default it is frozen once the engine "
                         "is built, as the server does: `engine.llm.freeze_startup_heap`)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every setting N times, the settings' order rotated each round; the table and JSON "
+                        "results give each setting's best round (all rounds under meta.every_round)")
     p.add_argument("--process-per-setting", action="store_true",
                    help="run each setting in a fresh process (its model loaded again): a setting's rows then do not "
                         "depend on the settings run before it")
@@ -278,7 +282,6 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
 def run_isolated(args) -> list[dict]:
     """`run_offline` with each setting in a fresh process of its own (`--process-per-setting`), one after the
     other: no setting runs after another in the same process, so none sees what an earlier engine left there."""
-    import copy
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -292,16 +295,45 @@ def run_isolated(args) -> list[dict]:
     return rows
 
 
+def run_rounds(args) -> tuple[list[dict], list[dict]]:
+    """Every setting `--rounds` times; round r runs the settings in their order rotated by r, so each one runs
+    early and late (on the H200 the same setting ran 20-30 % slower in a later process than in an earlier one:
+    the machine drifts, not the engine). -> (per setting and concurrency, the round with the most tokens per
+    second, in the order given; every row, each with its `round`)."""
+    settings = args.settings.split(",")
+    every: list[dict] = []
+    for r in range(args.rounds):
+        one = copy.copy(args)
+        one.settings = ",".join(settings[r % len(settings):] + settings[: r % len(settings)])
+        got = run_isolated(one) if getattr(args, "process_per_setting", False) else run_offline(one)
+        every += [row | {"round": r} for row in got]
+    order = {Setting.parse(text).label: i for i, text in reversed(list(enumerate(settings)))}
+    best: dict[tuple[str, int], dict] = {}
+    for row in every:
+        key = (row["setting"], row["concurrency"])
+        if key not in best or row["tok_s_total"] > best[key]["tok_s_total"]:
+            best[key] = row
+    return sorted(best.values(), key=lambda row: (order[row["setting"]], row["concurrency"])), every
+
+
 def cmd_offline(args) -> int:
     if args.plot:
         require_plotting()
-    rows = run_isolated(args) if getattr(args, "process_per_setting", False) else run_offline(args)
-    traces = [{"setting": r["setting"], "concurrency": r["concurrency"], "events": r.pop("budget_trace")}
-              for r in rows if "budget_trace" in r]
+    rounds = getattr(args, "rounds", 1)
+    if rounds < 1:
+        raise ValueError(f"--rounds {rounds}: expected at least 1")
+    rows, every = run_rounds(args)
+    traces = [{"setting": r["setting"], "concurrency": r["concurrency"], "round": r["round"],
+               "events": r.pop("budget_trace")} for r in every if "budget_trace" in r]
     if getattr(args, "trace_budget", None):
         Path(args.trace_budget).write_text(json.dumps(traces))
         for t in traces:
-            print(f"budget trace {t['setting']} c={t['concurrency']}: {summarize_trace(t['events'])}", file=sys.stderr)
+            print(f"budget trace {t['setting']} c={t['concurrency']}"
+                  + (f" round {t['round']}" if rounds > 1 else "") + f": {summarize_trace(t['events'])}",
+                  file=sys.stderr)
+    if rounds > 1:
+        print(f"every round ({rounds}; the settings' order rotated each round):\n{format_table(every)}\n"
+              f"best of {rounds} per setting and concurrency:", file=sys.stderr)
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
             "temperature": args.temperature, "profile_host": bool(args.profile_host),
@@ -309,7 +341,9 @@ def cmd_offline(args) -> int:
             "enable_prefix_caching": args.enable_prefix_caching, "shared_prefix_tokens": args.shared_prefix_tokens,
             "sampling_scheme": args.sampling_scheme,
             "batch_invariant": bool(getattr(args, "batch_invariant", False)),
-            "process_per_setting": bool(getattr(args, "process_per_setting", False))}
+            "process_per_setting": bool(getattr(args, "process_per_setting", False)), "rounds": rounds}
+    if rounds > 1:
+        meta["every_round"] = every  # `results` holds each setting's best round
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:
