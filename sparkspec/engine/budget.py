@@ -276,7 +276,8 @@ class VerificationBudget:
 
     def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None, padded: bool = False,
                  clock: Callable[[], float] = time.perf_counter, min_samples: int = 2, probe_every: int = 32,
-                 probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 8, trusted_margin: float = 2.0):
+                 probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 8, trusted_margin: float = 2.0,
+                 plain_probe_extra: int = 0):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
@@ -295,6 +296,12 @@ class VerificationBudget:
         # decisions a probe lasts: its first step is a transition, not a sample (and under async scheduling the
         # first step of a plain stretch is not one either: `skip_step`)
         self.probe_len = probe_len
+        # a probe of plain decoding lasts this many decisions more: where the engine launches plain steps ahead, the
+        # first two of a plain stretch are not filed (`skip_step`), and a 3-decision probe would file only the
+        # second launch, which waits for the first as a step in turn does. That sample is what made plain decoding
+        # look slower than drafting on the H200 demo pair at c = 64: probes filed 2.0-2.3 ms a step against
+        # 1.25-1.4 ms in long plain stretches, and the budget drafted at 0.53x plain decoding's speed.
+        self.plain_probe_len = probe_len + plain_probe_extra
         self.max_first_probes = max_first_probes  # back-to-back probes of an arm that has no samples yet
         self.max_backoff = max_backoff  # a probe that confirms the choice doubles the interval, up to this factor
         self.trusted_margin = trusted_margin  # drafting's measured lead over the table's plain: no first probes
@@ -339,9 +346,10 @@ class VerificationBudget:
 
     def skip_step(self) -> None:
         """The step in progress is not filed. Async scheduling launches the first step of a plain stretch and
-        returns before reading anything, so the interval to the next step's start is the launch alone, and its
-        tokens are read (`note_tokens`) one step late: each later launched step is filed with the tokens of the
-        step before it, which a plain stretch makes nearly the same."""
+        returns before reading anything, so the interval to the next step's start is the launch alone; the second
+        launch then reads the first, which the device started only just before, so its interval is a step in turn
+        (the engine skips both). Tokens are read (`note_tokens`) one step late: each later launched step is filed
+        with the tokens of the step before it, which a plain stretch makes nearly the same."""
         self._last_step = None
 
     def note_tokens(self, num_tokens: int) -> None:
@@ -427,7 +435,7 @@ class VerificationBudget:
         prior then). Drafting gets no first probes: the cost table times the device alone, which favours
         drafting, so where even the table says plain, drafting waits for its interval (on the H200 demo pair at
         c = 256 the first probes of drafting cost ~17 ms a step against ~4 ms for plain decoding, in a level of
-        ~130 steps). A probe lasts `probe_len` decisions.
+        ~130 steps). A probe lasts `probe_len` decisions (of plain decoding: `plain_probe_len`).
 
         `num_running`: the request count that buckets the measurements (`note_step`'s). No probe starts on a step
         that carries a prompt chunk (`has_prompt`): the next one most likely does too (prompts arrive in bursts),
@@ -463,7 +471,8 @@ class VerificationBudget:
             every = self.probe_every * st.backoff * (4 if prior else 2 if margin > 1.25 else 1)
             due = since >= every  # (only such probes move the backoff: the first ones measure, they confirm nothing)
             if due or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
-                st.arm, st.left, st.last_start = other, self.probe_len, st.num_decisions
+                st.arm, st.last_start = other, st.num_decisions
+                st.left = self.plain_probe_len if other == "plain" else self.probe_len
                 st.best_before = best if due else None
                 st.num_started += 1
         arm = best

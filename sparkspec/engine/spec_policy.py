@@ -40,11 +40,13 @@ class SpecPolicy:
         self.budget: VerificationBudget | None = None
         self._num_verified = 0  # drafts `choose` picked for the step in progress (told to the budget)
 
-    def start(self, runner) -> None:
-        """Once the pools exist: measure (or load) the step costs the adaptive budget decides from."""
+    def start(self, runner, overlapped: bool = False) -> None:
+        """Once the pools exist: measure (or load) the step costs the adaptive budget decides from. `overlapped`:
+        the engine launches plain steps ahead (async scheduling), so a plain stretch's first two steps are not
+        filed and a probe of plain decoding lasts two decisions longer (`VerificationBudget.plain_probe_len`)."""
         cost = self.cost_table(runner) if self.config.spec_budget == "adaptive" else None
         self.budget = VerificationBudget(self.config.spec_budget, self.num_spec_tokens, cost,
-                                         padded=runner.graphs is not None)
+                                         padded=runner.graphs is not None, plain_probe_extra=2 if overlapped else 0)
 
     # ---- before the step ----
     def choose(self, items: list[ScheduledSeq]) -> tuple[list[list[int]], list[int]]:
