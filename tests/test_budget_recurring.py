@@ -47,7 +47,9 @@ def test_recurring_slow_spec_steps_turn_drafting_off(join_every):
     ks = run_loop(budget, clock, R, seconds, 400)
     assert budget.plan_num_drafts(R, R) == 0
     tail = ks[200:]
-    assert sum(k > 0 for k in tail) / len(tail) < 0.15, "only probes draft"
+    # only probes draft: 3 decisions every 32 x backoff, and a few more where a probe happened to miss the join steps
+    # and won (a median-based choice drafted on every step)
+    assert sum(k > 0 for k in tail) / len(tail) < 0.2, "only probes draft"
 
 
 def test_recurring_costs_shared_by_both_arms_keep_drafting():

@@ -351,3 +351,17 @@ def test_plain_probes_measure_the_overlapped_step_not_the_pipeline_fill(fixed):
     speed = made / clock.now
     plain = 64 / 1.3e-3
     assert (speed >= 0.95 * plain) == fixed, (speed, plain)
+
+
+def test_measured_near_tie_keeps_plain_decoding():
+    """Both arms measured, drafting ahead by less than `spec_margin` (H200 demo pair, c = 256: 49.6 k against 48.3 k
+    tok/s): plain decoding is kept; ahead by more, drafting is chosen. The cost table alone still decides by any
+    lead."""
+    for lead, want in ((1.03, 0), (1.08, K)):
+        budget = VerificationBudget("adaptive", K, flat_table(), padded=True, spec_margin=1.05)
+        for _ in range(6):
+            budget.step_times.observe(256, "plain", 0.005, 256)
+            budget.step_times.observe(256, "spec", 0.015, round(3 * 256 * lead))
+        assert budget.measured(256)
+        assert budget.plan_num_drafts(256, 256) == want, lead
+    assert VerificationBudget("adaptive", K, flat_table(), padded=True).plan_num_drafts(16, 16) == K
