@@ -116,6 +116,7 @@ class CostTable:
 
     def __post_init__(self) -> None:
         self._curves: dict[int, tuple[list[int], list[float]]] = {}
+        self._nearest: dict[int, tuple[list[int], list[float]]] = {}
         for r, points in self.target.items():
             xs = [p[0] for p in sorted(points)]
             ys = [p[1] for p in sorted(points)]
@@ -123,9 +124,16 @@ class CostTable:
                 ys[i] = max(ys[i], ys[i - 1])
             self._curves[r] = (xs, ys)
 
+    def curve(self, num_reqs: int) -> tuple[list[int], list[float]]:
+        """(tokens, seconds) of the nearest measured request count (memoised: Algorithm 1 asks once per item)."""
+        got = self._nearest.get(num_reqs)
+        if got is None:
+            r = min(self._curves, key=lambda x: (abs(x - num_reqs), x))
+            got = self._nearest[num_reqs] = self._curves[r]
+        return got
+
     def target_seconds(self, num_reqs: int, num_tokens: int) -> float:
-        r = min(self._curves, key=lambda x: (abs(x - num_reqs), x))  # nearest measured request count
-        xs, ys = self._curves[r]
+        xs, ys = self.curve(num_reqs)
         if num_tokens <= xs[0] or len(xs) == 1:
             return ys[0] * (num_tokens / xs[0] if num_tokens > xs[0] else 1.0)
         i = min(bisect.bisect_left(xs, num_tokens), len(xs) - 1)

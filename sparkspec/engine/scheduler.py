@@ -156,7 +156,9 @@ class Scheduler:
             left = len(seq.prompt_ids) + len(seq.output_ids) + seq.num_inflight - nc  # uncomputed tokens
             n = min(left, budget)
             is_decode = n == left == 1 and (seq.output_ids or seq.num_inflight)  # pending token = last output
-            lookahead = self.lookahead_for(seq, budget - n) if is_decode and c.num_lookahead_tokens else 0
+            # (no drafts held, no slots: `lookahead_for` would say 0; the adaptive budget's plain stretches skip it)
+            lookahead = self.lookahead_for(seq, budget - n) \
+                if is_decode and c.num_lookahead_tokens and seq.spec.draft_ids else 0
             if lookahead:
                 self._reserved.append(seq)
             if -(-(nc + n + lookahead) // bs) + extra <= len(seq.block_ids):  # its blocks suffice (most steps)
