@@ -27,6 +27,15 @@ def test_rounds_rotate_the_order_and_keep_each_settings_best(monkeypatch):
     assert best[0]["tok_s_total"] == 31.0
 
 
+def test_one_round_keeps_every_row_as_it_ran(monkeypatch):
+    """The default (one round) is the rows as they ran: a setting given twice keeps both of its rows."""
+    monkeypatch.setattr(offline, "run_offline", lambda args: [
+        {"setting": offline.Setting.parse(t).label, "concurrency": 1, "tok_s_total": float(i)}
+        for i, t in enumerate(args.settings.split(","))])
+    best, every = offline.run_rounds(argparse.Namespace(settings="none,none", rounds=1, process_per_setting=False))
+    assert best == every and [row["tok_s_total"] for row in best] == [0.0, 1.0]
+
+
 def test_rounds_below_one_is_a_usage_error(tmp_path, capsys):
     from sparkspec.cli import main
 

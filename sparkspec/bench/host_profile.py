@@ -232,5 +232,5 @@ class HostProfiler:
             # inside the phases above, wherever a collection struck: Python's cyclic collector, per step and in all
             "gc_us_per_step": round(1e6 * sum(self.gc_seconds) / n, 1),
             "gc_collections": list(self.gc_counts),
-            "gc_full_ms": round(1e3 * max(self.gc_seconds[2], 0.0) / max(self.gc_counts[2], 1), 2),
+            "gc_full_ms": round(1e3 * self.gc_seconds[2] / max(self.gc_counts[2], 1), 2),
         }

@@ -307,6 +307,8 @@ def run_rounds(args) -> tuple[list[dict], list[dict]]:
         one.settings = ",".join(settings[r % len(settings):] + settings[: r % len(settings)])
         got = run_isolated(one) if getattr(args, "process_per_setting", False) else run_offline(one)
         every += [row | {"round": r} for row in got]
+    if args.rounds == 1:
+        return every, every  # one round: every row as it ran (a setting given twice keeps both)
     order = {Setting.parse(text).label: i for i, text in reversed(list(enumerate(settings)))}
     best: dict[tuple[str, int], dict] = {}
     for row in every:
@@ -337,7 +339,7 @@ def cmd_offline(args) -> int:
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
             "temperature": args.temperature, "profile_host": bool(args.profile_host),
-            "freeze_gc": bool(getattr(args, "freeze_gc", True)),
+            "freeze_gc": bool(getattr(args, "freeze_gc", False)),
             "enable_prefix_caching": args.enable_prefix_caching, "shared_prefix_tokens": args.shared_prefix_tokens,
             "sampling_scheme": args.sampling_scheme,
             "batch_invariant": bool(getattr(args, "batch_invariant", False)),

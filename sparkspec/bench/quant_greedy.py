@@ -106,23 +106,24 @@ def run(preset: str, num_layers: int | None, device: str | None, dtype: str, num
     prompts = [torch.randint(2, cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
     config = dict(max_num_seqs=num_prompts, max_model_len=prompt_len + max_tokens + 16, enforce_eager=enforce_eager)
 
-    def decode(logprobs: int | None, batch: list[list[int]] = prompts):
-        engine = LLMEngine(model, None, EngineConfig(**config))
-        out = engine.generate(batch, SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs))
+    def decode(logprobs: int | None, batches: list[list[list[int]]]):
+        engine = LLMEngine(model, None, EngineConfig(**config))  # one engine (one graph capture) per pass
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+        out = [o for batch in batches for o in engine.generate(batch, params)]
         return [o.token_ids for o in out], [o.logprobs for o in out]
 
     with fp8_activations(quantize_activations):
-        quantized, _ = decode(None)
+        quantized, _ = decode(None, [prompts])
     log(f"  quantised (FP8 activations {'on' if quantize_activations else 'off'}): done at "
         f"{time.perf_counter() - t0:.1f} s")
     replaced = dequantize_layers_(model, getattr(torch, dtype))
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    reference, logprobs = decode(2)
+    reference, logprobs = decode(2, [prompts])
     log(f"  dequantised ({len(replaced)} layers): done at {time.perf_counter() - t0:.1f} s")
     alone = None
     if noise_floor:
-        alone = [decode(None, [prompt])[0][0] for prompt in prompts]
+        alone, _ = decode(None, [[prompt] for prompt in prompts])
         log(f"  dequantised, one prompt at a time: done at {time.perf_counter() - t0:.1f} s")
     return quantized, reference, logprobs, alone
 

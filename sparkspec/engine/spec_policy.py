@@ -77,10 +77,9 @@ class SpecPolicy:
         `num_running`: the requests the engine runs (buckets the budget's measurements; default: those sampling)."""
         num_sampling, has_prompt = 0, False  # (one pass: at c = 256 on the H200 this ran on every step)
         for it in items:
-            seq = it.seq
-            if it.num_tokens != 1 or not seq.output_ids:
+            if it.num_tokens != 1 or not it.seq.output_ids:
                 has_prompt = True  # a chunk, not a decode row
-            if seq.num_cached_tokens + it.num_tokens == seq.num_tokens + seq.num_inflight:  # `it.samples`
+            if it.samples:
                 num_sampling += 1
         key = num_sampling if num_running is None else max(num_running, 1)
         k = self.budget.next_num_drafts(num_sampling, num_sampling, key, has_prompt) if num_sampling else 0
