@@ -164,3 +164,27 @@ def test_drafting_engine_overlaps_its_plain_stretches(method):
     # wall time, later ones are (more than one stretch ran: the script switches arms)
     assert set(skipped) == {1, 2} and skipped.count(1) >= 2 and len(launched) > len(skipped)
     assert all(a == 1 for a, b in zip(skipped, skipped[1:]) if b == 2)
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_cost_table_times_plain_steps_as_they_are_launched(method):
+    """Where the engine launches plain steps ahead, the adaptive budget's table times them that way too, per
+    request count of its grid (as the engine does at start, before any request), and the engine then decodes as
+    one that measured nothing."""
+    cfg, model, tensors = tiny_setup()
+    prompts = mixed_prompts(cfg.vocab_size, LENGTHS[:4], seed=5)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = {}
+    for measure in (False, True):
+        ecfg = EngineConfig(max_num_seqs=4, enforce_eager=True, speculative=method, num_spec_tokens=3,
+                            spec_budget="fixed")
+        eng = LLMEngine(model, None, ecfg, tensors)
+        eng.runner.use_graphs(ecfg.max_num_seqs, eng.max_model_len, 3, eager=True,
+                              max_num_batched_tokens=ecfg.max_num_batched_tokens)
+        if measure:
+            table = eng.spec.measure_costs(eng.runner, repeats=1, overlapped=True)
+            assert [r for r, _ in table.plain] == sorted(table.target) == [1, 2, 4]
+            assert all(s > 0 for _, s in table.plain)
+            assert eng.spec.measure_costs(eng.runner, repeats=1).plain == []  # stepping in turn: nothing launched
+        got[measure] = [o.token_ids for o in eng.generate(prompts, params)]
+    assert got[True] == got[False]

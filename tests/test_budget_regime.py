@@ -365,3 +365,41 @@ def test_measured_near_tie_keeps_plain_decoding():
         assert budget.measured(256)
         assert budget.plan_num_drafts(256, 256) == want, lead
     assert VerificationBudget("adaptive", K, flat_table(), padded=True).plan_num_drafts(16, 16) == K
+
+
+def test_launched_plain_steps_decide_before_anything_is_measured():
+    """The H200 demo pair at c = 1: a plain step timed in turn costs 1.26 ms (its packing and copy back included),
+    launched ahead 0.66 ms; a drafting step 2.1 ms for ~2.4 tokens at the prior acceptance. Timed in turn the table
+    says draft (1.1 k tok/s against 0.8 k) and every level began by drafting; with the launched time it says plain."""
+    target = {1: [(1, 0.00126), (1 + K, 0.0019)]}
+    in_turn = CostTable(target, [(1, 0.0002)])
+    launched = CostTable(target, [(1, 0.0002)], plain=[(1, 0.00066)])
+    assert VerificationBudget("adaptive", K, in_turn, padded=True).next_num_drafts(1, 1) == K
+    assert VerificationBudget("adaptive", K, launched, padded=True).next_num_drafts(1, 1) == 0
+    # a step that carries prompt tokens is never launched ahead: it is priced in turn
+    assert launched.plain_seconds(1, 1) == 0.00066 and launched.plain_seconds(1, 5) == in_turn.target_seconds(1, 5)
+    assert launched.plain_seconds(4, 4) == pytest.approx(4 * 0.00066)  # past the largest measured: scaled
+    assert CostTable.from_json(launched.to_json()).plain == [(1, 0.00066)]
+    assert CostTable.from_json(in_turn.to_json() | {"plain": []}).plain == []
+
+
+def test_cached_throughput_follows_each_new_sample():
+    """`StepTimes.throughput` is kept between samples; a new sample of the arm must replace it."""
+    st = StepTimes(window=4)
+    for s in (0.002, 0.002, 0.004):
+        st.observe(1, "plain", s, 2)
+    assert st.throughput(1, "plain") == pytest.approx(4 / 0.004)  # the longest dropped
+    st.observe(1, "plain", 0.001, 3)
+    assert st.throughput(1, "plain") == pytest.approx(7 / 0.005)
+    st.observe(1, "spec", 0.001, None)
+    assert st.throughput(1, "spec") is None and st.throughput(1, "plain") == pytest.approx(7 / 0.005)
+
+
+def test_static_plan_follows_the_acceptance_estimate():
+    """`static_plan` is kept until the acceptance estimate moves: after many rejections the table's drafting arm
+    must lose what it was worth."""
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True)
+    k, tau, _, _ = budget.static_plan(4, 4)
+    accepting(budget, 0)
+    k2, tau2, _, _ = budget.static_plan(4, 4)
+    assert k == k2 == K and tau2 < 0.5 * tau

@@ -97,10 +97,20 @@ def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, num_reque
             "spec": SpecMetrics.aggregate(spec, method, k) if method != "none" else None}
 
 
-def run_offline(args) -> list[dict]:
+@dataclass
+class Workload:
+    """What every setting of one run is measured on: the loaded model, the prompts and the sampling."""
+
+    ckpt: object
+    prompt_ids: list[list[int]]
+    params: object
+    settings: list[Setting]
+    concurrencies: list[int]
+
+
+def load_workload(args) -> Workload:
     import torch
 
-    from sparkspec.engine.llm import build_llm, freeze_startup_heap
     from sparkspec.loading.checkpoint import load_checkpoint
     from sparkspec.platform import check_device
     from sparkspec.sampling_params import SamplingParams
@@ -121,64 +131,115 @@ def run_offline(args) -> list[dict]:
     else:
         prompt_ids = [tok.encode_chat([{"role": "user", "content": t}])[-limit:] for t in texts]
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    return Workload(ckpt, prompt_ids, params, settings, concurrencies)
+
+
+def build_engine(args, work: Workload, setting: Setting):
+    """-> (the setting's engine, warmed up, on the workload's model; its start-up seconds)."""
+    from sparkspec.engine.llm import build_llm
+    from sparkspec.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()  # every setting's engine shares the one loaded model
+    engine = build_llm(work.ckpt, speculative=setting.method, spec_budget=setting.budget,
+                       num_spec_tokens=setting.num_spec_tokens, max_num_seqs=max(work.concurrencies),
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       enforce_eager=args.enforce_eager,
+                       enable_prefix_caching=args.enable_prefix_caching,
+                       sampling_scheme=args.sampling_scheme,
+                       batch_invariant=getattr(args, "batch_invariant", False),
+                       async_scheduling=getattr(args, "async_scheduling", None)).engine
+    engine.emit_unfinished = False  # the loop reads finished requests only, as `LLM.generate` does
+    startup = time.perf_counter() - t0
+    engine.generate(work.prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    return engine, startup
+
+
+def measure_level(args, work: Workload, engine, setting: Setting, c: int, startup: float) -> dict:
+    """One concurrency level of one setting -> its row (printed to stderr as it ends)."""
+    import torch
+
+    from sparkspec.sampling_params import SamplingParams
+
+    prompt_ids = work.prompt_ids
+    n = max(c * args.requests_per_client, args.min_requests)
+    k = engine.spec.num_spec_tokens if engine.spec is not None else 0
+    # untimed: c short requests compile the kernels of this batch size (Triton JIT per new shape)
+    engine.generate([prompt_ids[i % len(prompt_ids)] for i in range(c)], SamplingParams(max_tokens=k + 4,
+                                                                                        ignore_eos=True))
+    queried, hit = engine.stats.num_prefix_cache_queries, engine.stats.num_prefix_cache_hits
+    steps, skipped = engine.stats.num_steps, engine.stats.num_drafter_skipped_steps
+    preempted = engine.scheduler.num_preemptions
+    budget = engine.spec.budget if engine.spec is not None else None
+    if getattr(args, "trace_budget", None) and budget is not None:
+        budget.trace = []  # this level's decisions and filed steps
+    r = run_level(engine, prompt_ids, c, n, work.params, setting.method, k, args.profile_host)
+    row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
+    # what a row's speed also depends on: the KV blocks this engine got, preemptions in the level, and the
+    # device memory the process holds (a setting run after others must see what they left behind)
+    row["kv_blocks"] = engine.kv_plan.num_blocks
+    row["pid"] = os.getpid()  # the process the setting ran in (`--process-per-setting`: one each)
+    row["preemptions"] = engine.scheduler.num_preemptions - preempted
+    if engine.runner.device.type == "cuda":
+        row["device_reserved_GB"] = round(torch.cuda.memory_reserved(engine.runner.device) / 1e9, 2)
+    queried = engine.stats.num_prefix_cache_queries - queried  # this level's prompt tokens: the share
+    row["prefix_cache_hit_rate"] = round((engine.stats.num_prefix_cache_hits - hit) / max(queried, 1), 4)
+    row["engine_startup_s"] = round(startup, 2)
+    if setting.method != "none":  # steps whose drafter ran (the adaptive budget's drafting arm)
+        steps, skipped = engine.stats.num_steps - steps, engine.stats.num_drafter_skipped_steps - skipped
+        row["drafting_step_frac"] = round(1 - skipped / max(steps, 1), 3)
+    if budget is not None and budget.trace is not None:
+        row["budget_trace"], budget.trace = budget.trace, None
+    extra = ""
+    if "host_profile" in r:
+        row.update(r["host_profile"])
+        extra = (f"  host {row['host_us_per_step']:.0f} us/step {row['host_us_per_req']:.1f} us/req"
+                 f"  busy {row['device_busy_frac']:.2f}")
+    print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}"
+          f"  prefix hits {row['prefix_cache_hit_rate']:.3f}"
+          + (f"  drafting {row['drafting_step_frac']:.2f}" if "drafting_step_frac" in row else "") + extra,
+          file=sys.stderr)
+    return row
+
+
+def run_offline(args) -> list[dict]:
+    """Each setting in turn: its engine built, every concurrency level run, the engine released."""
+    from sparkspec.engine.llm import freeze_startup_heap
+
+    work = load_workload(args)
     rows = []
-    for setting in settings:
-        t0 = time.perf_counter()  # every setting's engine shares the one loaded model
-        engine = build_llm(ckpt, speculative=setting.method, spec_budget=setting.budget,
-                           num_spec_tokens=setting.num_spec_tokens, max_num_seqs=max(concurrencies),
-                           max_num_batched_tokens=args.max_num_batched_tokens,
-                           enforce_eager=args.enforce_eager,
-                           enable_prefix_caching=args.enable_prefix_caching,
-                           sampling_scheme=args.sampling_scheme,
-                           batch_invariant=getattr(args, "batch_invariant", False),
-                           async_scheduling=getattr(args, "async_scheduling", None)).engine
-        engine.emit_unfinished = False  # the loop reads finished requests only, as `LLM.generate` does
-        startup = time.perf_counter() - t0
-        engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    for setting in work.settings:
+        engine, startup = build_engine(args, work, setting)
         if getattr(args, "freeze_gc", False):
             freeze_startup_heap()
-        for c in concurrencies:
-            n = max(c * args.requests_per_client, args.min_requests)
-            k = engine.spec.num_spec_tokens if engine.spec is not None else 0
-            # untimed: c short requests compile the kernels of this batch size (Triton JIT per new shape)
-            engine.generate([prompt_ids[i % len(prompt_ids)] for i in range(c)],
-                            SamplingParams(max_tokens=k + 4, ignore_eos=True))
-            queried, hit = engine.stats.num_prefix_cache_queries, engine.stats.num_prefix_cache_hits
-            steps, skipped = engine.stats.num_steps, engine.stats.num_drafter_skipped_steps
-            preempted = engine.scheduler.num_preemptions
-            budget = engine.spec.budget if engine.spec is not None else None
-            if getattr(args, "trace_budget", None) and budget is not None:
-                budget.trace = []  # this level's decisions and filed steps
-            r = run_level(engine, prompt_ids, c, n, params, setting.method, k, args.profile_host)
-            row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
-            # what a row's speed also depends on: the KV blocks this engine got, preemptions in the level, and the
-            # device memory the process holds (a setting run after others must see what they left behind)
-            row["kv_blocks"] = engine.kv_plan.num_blocks
-            row["pid"] = os.getpid()  # the process the setting ran in (`--process-per-setting`: one each)
-            row["preemptions"] = engine.scheduler.num_preemptions - preempted
-            if engine.runner.device.type == "cuda":
-                row["device_reserved_GB"] = round(torch.cuda.memory_reserved(engine.runner.device) / 1e9, 2)
-            queried = engine.stats.num_prefix_cache_queries - queried  # this level's prompt tokens: the share
-            row["prefix_cache_hit_rate"] = round((engine.stats.num_prefix_cache_hits - hit) / max(queried, 1), 4)
-            row["engine_startup_s"] = round(startup, 2)
-            if setting.method != "none":  # steps whose drafter ran (the adaptive budget's drafting arm)
-                steps, skipped = engine.stats.num_steps - steps, engine.stats.num_drafter_skipped_steps - skipped
-                row["drafting_step_frac"] = round(1 - skipped / max(steps, 1), 3)
-            if budget is not None and budget.trace is not None:
-                row["budget_trace"], budget.trace = budget.trace, None
-            extra = ""
-            if "host_profile" in r:
-                row.update(r["host_profile"])
-                extra = (f"  host {row['host_us_per_step']:.0f} us/step {row['host_us_per_req']:.1f} us/req"
-                         f"  busy {row['device_busy_frac']:.2f}")
-            rows.append(row)
-            print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}"
-                  f"  prefix hits {row['prefix_cache_hit_rate']:.3f}"
-                  + (f"  drafting {row['drafting_step_frac']:.2f}" if "drafting_step_frac" in row else "") + extra,
-                  file=sys.stderr)
+        rows += [measure_level(args, work, engine, setting, c, startup) for c in work.concurrencies]
         device = engine.runner.device
         del engine  # before the next setting's engine is built: its graphs, pools and host objects go now
         release(device)
+    return rows
+
+
+def run_interleaved(args) -> list[dict]:
+    """`--interleave`: every setting's engine built once in this process (all on the one loaded model), then per
+    concurrency level every setting back to back, `--rounds` times, the settings' order rotated each round. A
+    ratio between settings then compares levels run seconds apart in one process: on the H200 the same setting
+    ran up to 41 % apart in two processes, more than the differences measured. An engine keeps what it learnt
+    (the adaptive budget's measurements) from one round to the next, as a server would. -> every row, each with
+    its `round`."""
+    from sparkspec.engine.llm import freeze_startup_heap
+
+    work = load_workload(args)
+    engines = [build_engine(args, work, setting) for setting in work.settings]
+    if getattr(args, "freeze_gc", False):
+        freeze_startup_heap()
+    rows, m = [], len(work.settings)
+    for c in work.concurrencies:
+        for r in range(args.rounds):
+            for i in [(r + j) % m for j in range(m)]:
+                engine, startup = engines[i]
+                rows.append(measure_level(args, work, engine, work.settings[i], c, startup) | {"round": r})
+    device = engines[0][0].runner.device
+    del engines
+    release(device)
     return rows
 
 
@@ -270,6 +331,10 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--process-per-setting", action="store_true",
                    help="run each setting in a fresh process (its model loaded again): a setting's rows then do not "
                         "depend on the settings run before it")
+    p.add_argument("--interleave", action="store_true",
+                   help="build every setting's engine once in this process and run each concurrency level of every "
+                        "setting back to back (with --rounds, the order rotated each round): ratios between settings "
+                        "then compare runs seconds apart in one process")
     p.add_argument("--trace-budget", default=None, metavar="PATH",
                    help="write every decision of a drafting setting's budget (arm, why, the measured tokens per "
                         "second of each arm) and every step it filed, per level, to this JSON file")
@@ -302,11 +367,14 @@ def run_rounds(args) -> tuple[list[dict], list[dict]]:
     second, in the order given; every row, each with its `round`)."""
     settings = args.settings.split(",")
     every: list[dict] = []
-    for r in range(args.rounds):
-        one = copy.copy(args)
-        one.settings = ",".join(settings[r % len(settings):] + settings[: r % len(settings)])
-        got = run_isolated(one) if getattr(args, "process_per_setting", False) else run_offline(one)
-        every += [row | {"round": r} for row in got]
+    if getattr(args, "interleave", False):
+        every = run_interleaved(args)
+    else:
+        for r in range(args.rounds):
+            one = copy.copy(args)
+            one.settings = ",".join(settings[r % len(settings):] + settings[: r % len(settings)])
+            got = run_isolated(one) if getattr(args, "process_per_setting", False) else run_offline(one)
+            every += [row | {"round": r} for row in got]
     if args.rounds == 1:
         return every, every  # one round: every row as it ran (a setting given twice keeps both)
     order = {Setting.parse(text).label: i for i, text in reversed(list(enumerate(settings)))}
@@ -324,6 +392,8 @@ def cmd_offline(args) -> int:
     rounds = getattr(args, "rounds", 1)
     if rounds < 1:
         raise ValueError(f"--rounds {rounds}: expected at least 1")
+    if getattr(args, "interleave", False) and getattr(args, "process_per_setting", False):
+        raise ValueError("--interleave runs every setting in one process: it cannot go with --process-per-setting")
     rows, every = run_rounds(args)
     traces = [{"setting": r["setting"], "concurrency": r["concurrency"], "round": r["round"],
                "events": r.pop("budget_trace")} for r in every if "budget_trace" in r]
@@ -343,7 +413,9 @@ def cmd_offline(args) -> int:
             "enable_prefix_caching": args.enable_prefix_caching, "shared_prefix_tokens": args.shared_prefix_tokens,
             "sampling_scheme": args.sampling_scheme,
             "batch_invariant": bool(getattr(args, "batch_invariant", False)),
-            "process_per_setting": bool(getattr(args, "process_per_setting", False)), "rounds": rounds}
+            "process_per_setting": bool(getattr(args, "process_per_setting", False)),
+            "interleave": bool(getattr(args, "interleave", False)), "rounds": rounds,
+            "requests_per_client": args.requests_per_client}
     if rounds > 1:
         meta["every_round"] = every  # `results` holds each setting's best round
     if args.json:

@@ -42,6 +42,7 @@ regime decision reads past steps only, never the drafts at hand, so verification
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import math
@@ -94,9 +95,11 @@ class AcceptanceEstimator:
         self.decay = decay
         self.accepted = [prior * prior_weight] * num_positions
         self.tested = [prior_weight] * num_positions
+        self.version = 0  # bumped by every `observe`: what was computed from `rates` at another version is stale
 
     def observe(self, num_verified: int, num_accepted: int) -> None:
         """Drafts 1..m were accepted and draft m+1 (if verified) rejected; later ones were never tested."""
+        self.version += 1
         for j in range(min(num_accepted + 1, num_verified, len(self.tested))):
             self.accepted[j] = self.accepted[j] * self.decay + (j < num_accepted)
             self.tested[j] = self.tested[j] * self.decay + 1
@@ -108,11 +111,15 @@ class AcceptanceEstimator:
 
 @dataclass
 class CostTable:
-    """Measured step times. `target[R]` = [(tokens, seconds)] for R requests in the step; `draft` = [(R, seconds)]."""
+    """Measured step times. `target[R]` = [(tokens, seconds)] for R requests in the step; `draft` = [(R, seconds)];
+    `plain` = [(R, seconds)] of a plain decode step as the engine runs a plain stretch under async scheduling
+    (launched back to back, each read one step late: the host's packing hides behind the device), empty where the
+    engine steps in turn (plain decoding then costs `target[R]` at R tokens)."""
 
     target: dict[int, list[tuple[int, float]]]
     draft: list[tuple[int, float]] = field(default_factory=list)
     key: str = ""
+    plain: list[tuple[int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._curves: dict[int, tuple[list[int], list[float]]] = {}
@@ -141,9 +148,19 @@ class CostTable:
         return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1)  # extrapolates linearly past the last point
 
     def draft_seconds(self, num_reqs: int) -> float:
-        if not self.draft:
-            return 0.0
-        pts = sorted(self.draft)
+        return self._per_request(self.draft, num_reqs) if self.draft else 0.0
+
+    def plain_seconds(self, num_reqs: int, num_tokens: int) -> float:
+        """A plain step of `num_reqs` decode rows (`num_tokens` in all: more than num_reqs where prompt chunks ride
+        along, which the engine never launches ahead)."""
+        if self.plain and num_tokens == num_reqs:
+            return self._per_request(self.plain, num_reqs)
+        return self.target_seconds(num_reqs, num_tokens)
+
+    @staticmethod
+    def _per_request(points: list[tuple[int, float]], num_reqs: int) -> float:
+        """The nearest measured request count's seconds, scaled linearly past the largest one."""
+        pts = sorted(points)
         best = min(pts, key=lambda p: abs(p[0] - num_reqs))
         return best[1] * max(num_reqs, 1) / max(best[0], 1) if num_reqs > pts[-1][0] else best[1]
 
@@ -152,12 +169,13 @@ class CostTable:
         return lambda num_tokens: 1.0 / max(self.target_seconds(num_reqs, num_tokens) + d, 1e-9)
 
     def to_json(self) -> dict:
-        return {"key": self.key, "target": {str(r): pts for r, pts in self.target.items()}, "draft": self.draft}
+        return {"key": self.key, "target": {str(r): pts for r, pts in self.target.items()}, "draft": self.draft,
+                "plain": self.plain}
 
     @classmethod
     def from_json(cls, d: dict) -> CostTable:
         return cls({int(r): [tuple(p) for p in pts] for r, pts in d["target"].items()},
-                   [tuple(p) for p in d.get("draft", [])], d.get("key", ""))
+                   [tuple(p) for p in d.get("draft", [])], d.get("key", ""), [tuple(p) for p in d.get("plain", [])])
 
 
 def machine_key(*parts: str) -> str:
@@ -194,6 +212,7 @@ Arm = Literal["plain", "spec"]
 ARMS: tuple[Arm, Arm] = ("plain", "spec")
 
 
+@functools.cache
 def bucket_of(num_reqs: int) -> int:
     """Request-count bucket: the nearest power of two in log scale (15 and 16 share one, 11 and 12 do not)."""
     return round(math.log2(max(num_reqs, 1)))
@@ -219,6 +238,7 @@ class StepTimes:
         self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
         self.samples: dict[tuple[int, Arm], deque[float]] = {}
         self.tokens: dict[tuple[int, Arm], deque[int | None]] = {}  # the same samples' produced tokens
+        self._throughput: dict[tuple[int, Arm], float | None] = {}  # `throughput` since the key's last sample
 
     def observe(self, num_reqs: int, arm: Arm, seconds: float, tokens: int | None = None) -> None:
         if not 0.0 < seconds <= self.max_seconds:
@@ -226,6 +246,7 @@ class StepTimes:
         key = (bucket_of(num_reqs), arm)
         self.samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
         self.tokens.setdefault(key, deque(maxlen=self.window)).append(tokens)
+        self._throughput.pop(key, None)
 
     def count(self, num_reqs: int, arm: Arm) -> int:
         return len(self.samples.get((bucket_of(num_reqs), arm), ()))
@@ -241,15 +262,21 @@ class StepTimes:
 
     def throughput(self, num_reqs: int, arm: Arm) -> float | None:
         """Produced tokens per second of the arm's samples (the longest dropped, as in `seconds`); None unless
-        every sample has its tokens."""
+        every sample has its tokens. Kept until the arm's next sample: the budget asks on every step (~2 us a
+        time on a busy host, where a c = 1 step has ~600 us of host time in all)."""
         key = (bucket_of(num_reqs), arm)
+        if key in self._throughput:
+            return self._throughput[key]
         d, toks = self.samples.get(key), self.tokens.get(key)
         if not d or any(t is None for t in toks):
-            return None
-        pairs = list(zip(d, toks))
-        if len(pairs) >= self.min_trim:
-            pairs.remove(max(pairs))
-        return math.fsum(t for _, t in pairs) / max(math.fsum(s for s, _ in pairs), 1e-12)
+            value = None
+        else:
+            pairs = list(zip(d, toks))
+            if len(pairs) >= self.min_trim:
+                pairs.remove(max(pairs))
+            value = math.fsum(t for _, t in pairs) / max(math.fsum(s for s, _ in pairs), 1e-12)
+        self._throughput[key] = value
+        return value
 
 
 @dataclass
@@ -321,6 +348,8 @@ class VerificationBudget:
         self.max_backoff = max_backoff  # a probe that confirms the choice doubles the interval, up to this factor
         self.trusted_margin = trusted_margin  # drafting's measured lead over the table's plain: no first probes
         self._probes: dict[int, _Probe] = {}
+        self._plans: dict[tuple[int, int], tuple[int, float, float, float]] = {}  # `static_plan`, by its arguments
+        self._plans_version = -1  # the estimator's version `_plans` were computed at
         self._proposing = False  # the last `next_num_drafts` asked for drafts: padded steps verify them all
         self._step_start: float | None = None
         self._last_step: tuple[int, bool, bool, bool] | None = None  # (bucket requests, verified any, proposed
@@ -380,15 +409,26 @@ class VerificationBudget:
         k = self.num_spec_tokens
         tau = num_reqs * (1 + sum(survival(self.estimator.rates(k))))
         spec_s = self.cost.target_seconds(num_reqs, num_reqs * (1 + k)) + self.cost.draft_seconds(num_reqs)
-        plain_s = self.cost.target_seconds(num_reqs, num_reqs)
+        plain_s = self.cost.plain_seconds(num_reqs, num_reqs)
         return tau / max(spec_s, 1e-9) > num_reqs / max(plain_s, 1e-9)
 
     def static_plan(self, num_reqs: int, num_base_tokens: int) -> tuple[int, float, float, float]:
         """The cost table's view -> (k of the spec arm, expected tokens of a spec step, its seconds, plain seconds).
-        k = 0: the table finds no draft worth verifying (non-padded only)."""
+        k = 0: the table finds no draft worth verifying (non-padded only). Kept until the acceptance estimate
+        changes (in a plain stretch it does not, and this is asked on every step)."""
+        if self._plans_version != self.estimator.version:
+            self._plans.clear()
+            self._plans_version = self.estimator.version
+        key = (num_reqs, num_base_tokens)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._static_plan(num_reqs, num_base_tokens)
+        return plan
+
+    def _static_plan(self, num_reqs: int, num_base_tokens: int) -> tuple[int, float, float, float]:
         k = self.num_spec_tokens
         a = survival(self.estimator.rates(k))
-        plain_s = self.cost.target_seconds(num_reqs, num_base_tokens)  # no drafter call
+        plain_s = self.cost.plain_seconds(num_reqs, num_base_tokens)  # no drafter call
         if self.padded:
             spec_s = self.cost.target_seconds(num_reqs, num_reqs * (1 + k)) + self.cost.draft_seconds(num_reqs)
             return k, num_reqs * (1 + sum(a)), spec_s, plain_s
@@ -399,7 +439,8 @@ class VerificationBudget:
 
     def measured(self, num_reqs: int) -> bool:
         """Both arms of this request count's bucket have enough wall-time samples to replace the cost table."""
-        return all(self.step_times.count(num_reqs, arm) >= self.min_samples for arm in ARMS)
+        count, n = self.step_times.count, self.min_samples
+        return count(num_reqs, "plain") >= n and count(num_reqs, "spec") >= n
 
     def modelled_throughput(self, num_reqs: int, num_base_tokens: int | None = None, num_running: int | None = None
                             ) -> dict[Arm, float]:

@@ -44,7 +44,7 @@ class SpecPolicy:
         """Once the pools exist: measure (or load) the step costs the adaptive budget decides from. `overlapped`:
         the engine launches plain steps ahead (async scheduling), so a plain stretch's first two steps are not
         filed and a probe of plain decoding lasts two decisions longer (`VerificationBudget.plain_probe_len`)."""
-        cost = self.cost_table(runner) if self.config.spec_budget == "adaptive" else None
+        cost = self.cost_table(runner, overlapped) if self.config.spec_budget == "adaptive" else None
         self.budget = VerificationBudget(self.config.spec_budget, self.num_spec_tokens, cost,
                                          padded=runner.graphs is not None, plain_probe_extra=2 if overlapped else 0)
 
@@ -121,26 +121,32 @@ class SpecPolicy:
             self.keep(seq, d, None, -1)
 
     # ---- cost table ----
-    def cost_table(self, runner) -> CostTable:
+    def cost_table(self, runner, overlapped: bool = False) -> CostTable:
         cfg = self.model.cfg
         shape = json.dumps(cfg.to_dict(), sort_keys=True)
         p = self.model.embed.weight  # the compute dtype (a bf16 model's first parameter is fp32 mHC)
         key = machine_key(shape, str(p.dtype), str(p.device), torch.__version__, self.proposer.method,
                           str(self.num_spec_tokens), str(self.config.max_num_seqs),
-                          "graphs" if runner.graphs is not None else "eager", "step-v3")
+                          "graphs" if runner.graphs is not None else "eager",
+                          "launched" if overlapped else "in-turn", "step-v4")
         cache_dir = Path(self.config.cost_cache_dir) if self.config.cost_cache_dir else None
 
         def measure() -> CostTable:
             log.info("measuring the step-cost table for adaptive verification (cached per machine)")
-            return self.measure_costs(runner)
+            return self.measure_costs(runner, overlapped=overlapped)
 
         return load_or_measure(key, measure, cache_dir)
 
     @torch.inference_mode()
-    def measure_costs(self, runner, context_len: int = 32, repeats: int = 3) -> CostTable:
+    def measure_costs(self, runner, context_len: int = 32, repeats: int = 3, overlapped: bool = False) -> CostTable:
         """Step time vs (requests, verify tokens), and the drafter's share, at a short context, measured through
         `runner.execute` exactly as the engine runs a decode step (CUDA graphs included when they are on). Runs
-        on the engine's own pools before any request is admitted (block ids from 0)."""
+        on the engine's own pools before any request is admitted (block ids from 0).
+
+        `overlapped` (the engine launches plain steps ahead): plain decode steps are also timed as a plain stretch
+        runs them, launched back to back and each read one step late (`time_launched`). Timed in turn, a plain step
+        also pays its packing and its copy back, which the overlap hides: on the H200 demo pair at c = 1 the table
+        then put plain decoding at ~800 tok/s where it ran at ~1,500, and each level began by drafting."""
         k = self.num_spec_tokens
         # a small KV cache (a short --max-model-len) holds less than one probe at the default context: probe shorter
         context_len = max(1, min(context_len, runner.cache.num_blocks * runner.cache.block_size - 2 * k - 2))
@@ -153,7 +159,7 @@ class SpecPolicy:
         while r <= min(self.config.max_num_seqs, runner.cache.num_blocks // per_seq):
             grid.append(r)
             r *= 2
-        target, draft = {}, []
+        target, draft, launched_plain = {}, [], []
         for r in grid:
             items = self.probe_requests(runner, r, context_len)
             points = []
@@ -161,10 +167,13 @@ class SpecPolicy:
                 drafts = [[2 + j for j in range(e)] for _ in items]
                 points.append((r * (1 + e), self.time_step(runner, items, drafts, 0, repeats)))
             target[r] = points
+            launched = self.time_launched(runner, items, repeats) if overlapped else None
+            if launched is not None:
+                launched_plain.append((r, launched))
             if self.proposer.on_device:
                 plain = self.time_step(runner, items, [[] for _ in items], 0, repeats)
                 draft.append((r, max(self.time_step(runner, items, [[] for _ in items], k, repeats) - plain, 0.0)))
-        return CostTable(target, draft)
+        return CostTable(target, draft, plain=launched_plain)
 
     def probe_blocks(self, runner, context_len: int) -> int:
         """Blocks a probe request holds: its context, then room for two rounds of drafts."""
@@ -185,6 +194,28 @@ class SpecPolicy:
         for s, tok in zip(seqs, ids[-1:] * num_reqs):
             s.num_cached_tokens, s.output_ids = context_len, [tok]
         return [ScheduledSeq(s, 1, self.num_spec_tokens) for s in seqs]
+
+    @staticmethod
+    def time_launched(runner, items: list[ScheduledSeq], repeats: int, depth: int = 8) -> float | None:
+        """Median seconds per step of `depth` plain decode steps launched back to back, each read after the next one
+        is launched, as async scheduling runs a plain stretch; None where `runner.launch` does not take the step.
+        Every step rewrites the same positions (the probe requests do not advance)."""
+        first = runner.launch(items)
+        if first is None:
+            return None
+        first.result()  # compiles / warms up, not timed
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            prev = runner.launch(items)
+            for _ in range(depth - 1):
+                nxt = runner.launch(items)
+                prev.result()
+                prev = nxt
+            prev.result()
+            times.append((time.perf_counter() - t0) / depth)
+        times.sort()
+        return times[len(times) // 2]
 
     @staticmethod
     def time_step(runner, items: list[ScheduledSeq], drafts: list[list[int]], k_next: int, repeats: int) -> float:
