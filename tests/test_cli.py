@@ -133,6 +133,22 @@ def test_bench_offline_interleave(tiny_checkpoint, tmp_path):
     assert main(args + ["--process-per-setting"]) == 2  # one process and one per setting: a usage error
 
 
+def test_bench_offline_output_len_ratio(tiny_checkpoint, tmp_path):
+    """--output-len-ratio: each request's length drawn around --output-len, the same lengths for every setting."""
+    from sparkspec.bench.offline import output_lengths
+
+    lengths = output_lengths(400, 8, 0.5)
+    assert min(lengths) == 4 and max(lengths) == 12 and lengths == output_lengths(400, 8, 0.5)
+    assert output_lengths(3, 8, 0.0) == [8, 8, 8]
+    args = ["bench", "offline", "--model", str(tiny_checkpoint), "--settings", "none,ngram", "--concurrency", "2",
+            "--output-len", "8", "--output-len-ratio", "0.5", "--num-prompts", "2", "--min-requests", "6",
+            "--device", "cpu", "--json", str(tmp_path / "b.json")]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["results"]
+    assert [r["output_tokens"] for r in rows] == [sum(output_lengths(6, 8, 0.5))] * 2
+    assert main(args[:-2] + ["--output-len-ratio", "1.5"]) == 2
+
+
 def test_env_lists_every_op(capsys):
     from sparkspec.ops.registry import op_names
 

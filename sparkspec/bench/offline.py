@@ -59,31 +59,49 @@ class Setting:
         return cls(method, budget, k)
 
 
+def output_lengths(num_requests: int, output_len: int, ratio: float, seed: int = 0) -> list[int]:
+    """Each request's output length: `output_len`, or with `ratio` > 0 drawn uniformly from
+    [output_len (1 - ratio), output_len (1 + ratio)] (at least 1), the same list for every setting of a run."""
+    if ratio <= 0:
+        return [output_len] * num_requests
+    import random
+
+    rng = random.Random(seed)
+    lo, hi = max(1, round(output_len * (1 - ratio))), max(1, round(output_len * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(num_requests)]
+
+
 def run_level(engine, prompt_ids: list[list[int]], concurrency: int, num_requests: int, params, method: str,
-              k: int, profile_host: bool = False) -> dict:
-    """Closed loop: keep `concurrency` requests in the engine until `num_requests` have finished. With
-    `profile_host`, the engine's step pieces are timed (`HostProfiler`) for this level only."""
+              k: int, profile_host: bool = False, lengths: list[int] | None = None) -> dict:
+    """Closed loop: keep `concurrency` requests in the engine until `num_requests` have finished (request i asks
+    for `lengths[i]` tokens where given, else `params.max_tokens`). With `profile_host`, the engine's step pieces
+    are timed (`HostProfiler`) for this level only."""
     if not profile_host:
-        return closed_loop(engine, prompt_ids, concurrency, num_requests, params, method, k)
+        return closed_loop(engine, prompt_ids, concurrency, num_requests, params, method, k, lengths)
     from sparkspec.bench.host_profile import HostProfiler
 
     prof = HostProfiler()
     with prof.attach(engine):
-        r = closed_loop(engine, prompt_ids, concurrency, num_requests, params, method, k)
+        r = closed_loop(engine, prompt_ids, concurrency, num_requests, params, method, k, lengths)
     r["host_profile"] = prof.summary(r["duration"])
     return r
 
 
 def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, num_requests: int, params, method: str,
-                k: int) -> dict:
+                k: int, lengths: list[int] | None = None) -> dict:
+    import dataclasses
+
     from sparkspec.spec_decode.metrics import SpecMetrics
 
     pending = [prompt_ids[i % len(prompt_ids)] for i in range(num_requests)]
+    asks = [params if lengths is None else dataclasses.replace(params, max_tokens=lengths[i])
+            for i in range(num_requests)]
+    asks.reverse()  # popped from the end, in request order
     inflight, timings, spec = 0, [], []
     t0 = time.perf_counter()
     while pending or inflight:
         while pending and inflight < concurrency:
-            engine.add_request(pending.pop(0), params)
+            engine.add_request(pending.pop(0), asks.pop())
             inflight += 1
         for out in engine.step():
             if out.finished:
@@ -172,7 +190,8 @@ def measure_level(args, work: Workload, engine, setting: Setting, c: int, startu
     budget = engine.spec.budget if engine.spec is not None else None
     if getattr(args, "trace_budget", None) and budget is not None:
         budget.trace = []  # this level's decisions and filed steps
-    r = run_level(engine, prompt_ids, c, n, work.params, setting.method, k, args.profile_host)
+    lengths = output_lengths(n, args.output_len, getattr(args, "output_len_ratio", 0.0))
+    r = run_level(engine, prompt_ids, c, n, work.params, setting.method, k, args.profile_host, lengths)
     row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
     # what a row's speed also depends on: the KV blocks this engine got, preemptions in the level, and the
     # device memory the process holds (a setting run after others must see what they left behind)
@@ -298,6 +317,11 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
                    help="comma-separated: none | METHOD[:fixed|adaptive][:K] (METHOD = dspark, mtp, ngram)")
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request (EOS ignored)")
+    p.add_argument("--output-len-ratio", type=float, default=0.0, metavar="R",
+                   help="draw each request's output length uniformly from [L (1 - R), L (1 + R)], L = --output-len "
+                        "(the same lengths for every setting). With one fixed length plain decoding's requests end in "
+                        "the same step and the next wave joins in one prefill: a lockstep that drafting breaks (its "
+                        "requests accept different counts) and that real traffic does not have")
     p.add_argument("--requests-per-client", type=int, default=2, help="requests per level = c x this")
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--num-prompts", type=int, default=256)
@@ -392,6 +416,9 @@ def cmd_offline(args) -> int:
     rounds = getattr(args, "rounds", 1)
     if rounds < 1:
         raise ValueError(f"--rounds {rounds}: expected at least 1")
+    ratio = getattr(args, "output_len_ratio", 0.0)
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"--output-len-ratio {ratio}: expected 0 <= R < 1")
     if getattr(args, "interleave", False) and getattr(args, "process_per_setting", False):
         raise ValueError("--interleave runs every setting in one process: it cannot go with --process-per-setting")
     rows, every = run_rounds(args)
@@ -408,6 +435,7 @@ def cmd_offline(args) -> int:
               f"best of {rounds} per setting and concurrency:", file=sys.stderr)
     print(format_table(rows))
     meta = {"kind": "offline", "model": str(args.model), "output_len": args.output_len,
+            "output_len_ratio": getattr(args, "output_len_ratio", 0.0),
             "temperature": args.temperature, "profile_host": bool(args.profile_host),
             "freeze_gc": bool(getattr(args, "freeze_gc", False)),
             "enable_prefix_caching": args.enable_prefix_caching, "shared_prefix_tokens": args.shared_prefix_tokens,
