@@ -403,3 +403,40 @@ def test_static_plan_follows_the_acceptance_estimate():
     accepting(budget, 0)
     k2, tau2, _, _ = budget.static_plan(4, 4)
     assert k == k2 == K and tau2 < 0.5 * tau
+
+
+def test_a_step_is_the_prompts_where_its_chunks_outweigh_its_decode_rows():
+    """`SpecPolicy` tells the budget a step is a prompt's (not filed, no probe starts there) only where its prompt
+    chunks hold more tokens than it has decode rows: a few short chunks beside many decode rows, as a steady stream
+    of requests brings on most steps at high concurrency, are the arm's own cost and are filed."""
+    from sparkspec.engine.scheduler import ScheduledSeq
+    from sparkspec.engine.sequence import Sequence
+    from sparkspec.engine.spec_policy import SpecPolicy
+    from sparkspec.sampling_params import SamplingParams
+
+    def decode(i):
+        s = Sequence(i, [5, 6, 7], SamplingParams(max_tokens=8))
+        s.output_ids, s.num_cached_tokens = [9], 3
+        return ScheduledSeq(s, 1)
+
+    def chunk(i, n):
+        return ScheduledSeq(Sequence(i, list(range(4, 4 + n)), SamplingParams(max_tokens=8)), n)
+
+    told = []
+
+    class Spy:
+        def next_num_drafts(self, num_reqs, num_base_tokens, num_running, has_prompt):
+            told.append(("decide", has_prompt))
+            return 0
+
+        def note_step(self, num_reqs, num_verified, num_proposed, has_prompt):
+            told.append(("file", has_prompt))
+
+    policy = object.__new__(SpecPolicy)
+    policy.budget, policy._num_verified = Spy(), 0
+    rows = [decode(i) for i in range(8)]
+    for items, heavy in ((rows, False), (rows + [chunk(8, 3), chunk(9, 5)], False), (rows + [chunk(8, 9)], True),
+                         ([chunk(8, 2)], True)):
+        told.clear()
+        policy.num_drafts_to_propose(items)
+        assert told == [("decide", heavy), ("file", heavy)]

@@ -75,12 +75,18 @@ class SpecPolicy:
     def num_drafts_to_propose(self, items: list[ScheduledSeq], stats=None, num_running: int | None = None) -> int:
         """k for the next step: drafts to propose at the end of this step (0: the drafter is not called).
         `num_running`: the requests the engine runs (buckets the budget's measurements; default: those sampling)."""
-        num_sampling, has_prompt = 0, False  # (one pass: at c = 256 on the H200 this ran on every step)
+        num_sampling = prompt_tokens = num_decode = 0  # (one pass: at c = 256 on the H200 this ran on every step)
         for it in items:
             if it.num_tokens != 1 or not it.seq.output_ids:
-                has_prompt = True  # a chunk, not a decode row
+                prompt_tokens += it.num_tokens  # a chunk, not a decode row
+            else:
+                num_decode += 1
             if it.samples:
                 num_sampling += 1
+        # the step is the prompt's, not the arm's, where its chunks outweigh its decode rows (a wave of prompts
+        # joining); a few short chunks beside many decode rows are what a steady stream of requests looks like
+        # (`VerificationBudget.note_step`)
+        has_prompt = prompt_tokens > num_decode
         key = num_sampling if num_running is None else max(num_running, 1)
         k = self.budget.next_num_drafts(num_sampling, num_sampling, key, has_prompt) if num_sampling else 0
         self.budget.note_step(key, self._num_verified, k, has_prompt)
