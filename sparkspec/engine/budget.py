@@ -19,7 +19,8 @@ then depends only on items ranked above it, never on c_{r,j+1}, which the drafte
 draft j (paper App. A gives a counterexample for the global argmax; tests/test_engine.py checks it).
 
 Whole-step wall time (why the cost table alone drafted where drafting does not pay). The cost table times
-`runner.execute` of pure decode steps at a short context: the device plus the runner's packing. What the engine
+`runner.execute` of pure decode steps at a short context: the device plus the runner's packing (and, where the
+engine launches plain steps ahead, plain steps launched back to back: `CostTable.plain`). What the engine
 pays per step is more: scheduling, the choice of drafts, commit / emit / detokenisation (Python per request and
 per produced token), and, in a closed loop where requests keep arriving, steps that carry a prefill chunk and so
 run eagerly instead of as a CUDA graph (the eager drafter is many small launches). On the H200 demo at c = 16
