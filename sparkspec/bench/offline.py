@@ -190,7 +190,8 @@ def measure_level(args, work: Workload, engine, setting: Setting, c: int, startu
     budget = engine.spec.budget if engine.spec is not None else None
     if getattr(args, "trace_budget", None) and budget is not None:
         budget.trace = []  # this level's decisions and filed steps
-    lengths = output_lengths(n, args.output_len, getattr(args, "output_len_ratio", 0.0))
+    ratio = getattr(args, "output_len_ratio", 0.0)
+    lengths = output_lengths(n, args.output_len, ratio) if ratio else None  # None: every request asks `params`
     r = run_level(engine, prompt_ids, c, n, work.params, setting.method, k, args.profile_host, lengths)
     row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
     # what a row's speed also depends on: the KV blocks this engine got, preemptions in the level, and the
