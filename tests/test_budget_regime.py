@@ -380,7 +380,8 @@ def test_launched_plain_steps_decide_before_anything_is_measured():
     assert launched.plain_seconds(1, 1) == 0.00066 and launched.plain_seconds(1, 5) == in_turn.target_seconds(1, 5)
     assert launched.plain_seconds(4, 4) == pytest.approx(4 * 0.00066)  # past the largest measured: scaled
     assert CostTable.from_json(launched.to_json()).plain == [(1, 0.00066)]
-    assert CostTable.from_json(in_turn.to_json() | {"plain": []}).plain == []
+    written_before = {k: v for k, v in in_turn.to_json().items() if k != "plain"}  # a table cached without it
+    assert CostTable.from_json(written_before).plain == []
 
 
 def test_cached_throughput_follows_each_new_sample():

@@ -93,15 +93,14 @@ def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, num_reque
 
     from sparkspec.spec_decode.metrics import SpecMetrics
 
-    pending = [prompt_ids[i % len(prompt_ids)] for i in range(num_requests)]
-    asks = [params if lengths is None else dataclasses.replace(params, max_tokens=lengths[i])
-            for i in range(num_requests)]
-    asks.reverse()  # popped from the end, in request order
+    pending = [(prompt_ids[i % len(prompt_ids)],
+                params if lengths is None else dataclasses.replace(params, max_tokens=lengths[i]))
+               for i in range(num_requests)]
     inflight, timings, spec = 0, [], []
     t0 = time.perf_counter()
     while pending or inflight:
         while pending and inflight < concurrency:
-            engine.add_request(pending.pop(0), asks.pop())
+            engine.add_request(*pending.pop(0))
             inflight += 1
         for out in engine.step():
             if out.finished:
