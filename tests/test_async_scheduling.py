@@ -16,11 +16,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LENGTHS = [3, 9, 17, 30, 5, 12]
 
 
-def engine(model, overlap: bool, **kw) -> LLMEngine:
+def engine(model, overlap: bool, prefill_graph_tokens: int | None = None, **kw) -> LLMEngine:
+    """`prefill_graph_tokens`: the longest prefill graph (default: the token budget; less: longer prompts that
+    sample run eagerly)."""
     cfg = EngineConfig(max_num_seqs=8, enforce_eager=True, async_scheduling=overlap, **kw)
     eng = LLMEngine(model, None, cfg)
     eng.runner.use_graphs(cfg.max_num_seqs, eng.max_model_len, 0, eager=True,
-                          max_num_batched_tokens=cfg.max_num_batched_tokens)
+                          max_num_batched_tokens=prefill_graph_tokens or cfg.max_num_batched_tokens)
     return eng
 
 
@@ -81,15 +83,31 @@ def test_eos_found_while_the_next_step_runs():
     assert launched
 
 
+def count_prompt_launches(eng: LLMEngine) -> list[int]:
+    """Appends, for every step launched ahead that carries a prompt chunk, the number of its chunks."""
+    seen, launch = [], eng.runner.launch
+
+    def counted(items):
+        out = launch(items)
+        chunks = sum(1 for it in items if it.num_tokens > 1 or not it.seq.output_ids and not it.seq.num_inflight)
+        if out is not None and chunks:
+            seen.append(chunks)
+        return out
+
+    eng.runner.launch = counted
+    return seen
+
+
 def test_requests_joining_and_an_abort():
-    """Requests that join while others decode end the overlap (their prompts run in turn) and it resumes; an
-    aborted request's row in flight is dropped and nothing leaks. The other requests' tokens are unchanged."""
+    """Requests that join while others decode are launched ahead with them (their prompt chunks beside the decode
+    rows); an aborted request's row in flight is dropped and nothing leaks. The tokens are unchanged."""
     cfg, model, _ = tiny_setup()
     prompts = mixed_prompts(cfg.vocab_size, LENGTHS, seed=6)
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
     want = [o.token_ids for o in engine(model, False).generate(prompts, [params] * len(prompts))]
     eng = engine(model, True)
     launched = count_launches(eng)
+    with_prompts = count_prompt_launches(eng)
     ids = [eng.add_request(p, params).request_id for p in prompts[:3]]
     done, step = {}, 0
     while eng.has_unfinished() or len(ids) < len(prompts):
@@ -107,7 +125,42 @@ def test_requests_joining_and_an_abort():
             continue
         assert done[rid].token_ids == want[i], i
     assert len(launched) >= 10
+    assert len(with_prompts) >= 3, "the first prefill and the three joining prompts ran ahead"
     assert eng.scheduler.block_manager.usage == 0 and not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_mixed_steps_launched_ahead(temperature):
+    """A closed loop (a request joins as one ends) with prompts of every kind: short ones (a prefill graph beside
+    the decode graph), several in one step, longer ones (eager: past the longest prefill graph) and long ones cut
+    into chunks (the chunks that sample nothing run eagerly). Those steps are launched ahead with the decode rows, each part handing its sampled tokens to the
+    next step on the device; the tokens are those of the engine in turn, every request's slot and block freed."""
+    cfg, model, _ = tiny_setup()
+    lengths = [3, 40, 9, 17, 70, 5, 12, 33, 2, 25]
+    prompts = mixed_prompts(cfg.vocab_size, lengths, seed=13)
+    params = [SamplingParams(max_tokens=4 + (7 * i) % 13, temperature=temperature, seed=80 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def closed_loop(eng: LLMEngine) -> list[list[int]]:
+        out, queue, live = {}, list(range(len(prompts))), 0
+        while queue or eng.has_unfinished():
+            while queue and live < 4:
+                i = queue.pop(0)
+                eng.add_request(prompts[i], params[i], request_id=str(i))
+                live += 1
+            for o in eng.step():
+                if o.finished:
+                    out[int(o.request_id)] = o.token_ids
+                    live -= 1
+        return [out[i] for i in range(len(prompts))]
+
+    want = closed_loop(engine(model, False, max_num_batched_tokens=32))
+    eng = engine(model, True, prefill_graph_tokens=16, max_num_batched_tokens=32)
+    with_prompts = count_prompt_launches(eng)
+    assert closed_loop(eng) == want
+    assert len(with_prompts) >= 8, with_prompts
+    assert eng.scheduler.block_manager.usage == 0 and not eng.has_unfinished()
+    assert all(s.num_inflight == 0 for s in eng.requests.values())
 
 
 def test_preemption_while_a_step_is_in_flight():

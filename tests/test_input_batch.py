@@ -187,3 +187,19 @@ def test_steps_the_persistent_batch_does_not_pack_go_to_the_lists():
     assert pack(decode_items(bm, [plain]), [[1] * (K + 1)], [-1], 0, pl.graphs.key_for) is None  # no key verifies 4
     p = pl.plan(decode_items(bm, [plain, wants]), [[], []], [-1, -1], 0)
     assert p.key is None and p.flat is None  # eager: the list path's named parts
+
+
+def test_collection_keeps_the_slot_of_a_request_with_a_token_in_flight():
+    """Slots are collected when none is free, but not the slot of a request whose token in flight sits in the
+    runner's `last_tokens` there (a step launched ahead sampled it; the token budget left the request out of this
+    step): its next step reads it at that slot."""
+    rng = random.Random(3)
+    batch = InputBatch(2, 8, 0, (4,))
+    a, b, c = (new_seq(rng, i, "greedy") for i in range(3))
+    first = batch.slots_for([a, b])
+    a.num_inflight = 1
+    third = batch.slots_for([c])  # none free: b's slot is collected, a's is kept
+    assert batch.slot_of[a] == first[0] and b not in batch.slot_of and third[0] == first[1]
+    a.num_inflight = 0
+    batch.slots_for([b])  # none free again: now a's goes too
+    assert a not in batch.slot_of and c not in batch.slot_of and b in batch.slot_of

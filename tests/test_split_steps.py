@@ -20,8 +20,9 @@ LENGTHS = [3, 9, 17, 30, 5, 12, 7, 21]
 
 
 def make_engine(model, tensors, method: str, static: bool, **kw) -> LLMEngine:
+    """Steps in turn (steps launched ahead split the same way: tests/test_async_scheduling.py)."""
     cfg = EngineConfig(max_num_seqs=4, speculative=method, num_spec_tokens=3 if method != "none" else None,
-                       spec_budget="fixed", enforce_eager=True, **kw)
+                       spec_budget="fixed", enforce_eager=True, async_scheduling=False, **kw)
     eng = LLMEngine(model, None, cfg, tensors)
     if static:
         k = eng.spec.num_spec_tokens if eng.spec else 0

@@ -153,7 +153,7 @@ class CostTable:
 
     def plain_seconds(self, num_reqs: int, num_tokens: int) -> float:
         """A plain step of `num_reqs` decode rows (`num_tokens` in all: more than num_reqs where prompt chunks ride
-        along, which the engine never launches ahead)."""
+        along: their prefill, which the table does not time launched)."""
         if self.plain and num_tokens == num_reqs:
             return self._per_request(self.plain, num_reqs)
         return self.target_seconds(num_reqs, num_tokens)
@@ -382,7 +382,8 @@ class VerificationBudget:
 
         A few short chunks beside many decode rows are filed: with output lengths that vary, as real traffic's do,
         a request joins on most steps at c = 256, and such steps are the arm's cost. Plain decoding pays there what
-        its other steps hide (a step with a prompt is not launched ahead). Before this, on the H200 demo pair at
+        its other steps hide (a step with a prompt chunk waited in turn before such steps were launched ahead too,
+        and still costs its prefill). Before this, on the H200 demo pair at
         c = 256 with lengths drawn from [32, 96], 79 % of the steps carried a chunk (8 % were filed in all); the plain
         arm's few filed steps were its launched ones (40 k tok/s) and the budget decoded plainly, while drafting at
         fixed k ran 15 % faster than plain decoding.

@@ -43,8 +43,8 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA / HIP graphs (they are captured for decode / verify steps otherwise)
     # async scheduling (LLMEngine.step): the next decode step is scheduled and launched before the host reads the
     # one on the device, so the host's commit / emit / scheduling overlaps the device. None: on wherever it
-    # applies (captured graphs; plain decode steps, also a drafting engine's steps that neither verify nor
-    # propose drafts; steps with drafts, prompts, logprobs or grammars run in turn); False turns it off
+    # applies (captured graphs; plain steps with their joining prompts' chunks, also a drafting engine's steps
+    # that neither verify nor propose drafts; steps with drafts, logprobs or grammars run in turn); False: off
     # (debugging; the tokens are the same either way)
     async_scheduling: bool | None = None
     # batch-invariant kernels (ops/batch_invariant.py): a request's tokens do not depend on the rows its steps share

@@ -114,9 +114,11 @@ class InputBatch:
         self.free.append(slot)
 
     def collect(self, live: set) -> None:
-        """Free every slot whose request is not in `live` (the step being packed)."""
+        """Free every slot whose request is not in `live` (the step being packed) and has no token in flight (a
+        step launched ahead left it in the runner's `last_tokens` at the slot, for the request's next step: one
+        the token budget left out of this step, behind a long prompt chunk, still reads it there)."""
         for slot, seq in enumerate(self.seqs):
-            if seq is not None and seq not in live:
+            if seq is not None and seq not in live and not seq.num_inflight:
                 self.release(slot)
 
     def sync_tables(self, items: list[ScheduledSeq], slots: np.ndarray) -> bool:

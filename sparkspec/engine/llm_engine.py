@@ -237,17 +237,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> free -> emit.
 
-        Async scheduling (on by default where graphs are captured): while every running request decodes plainly (no
-        prompt waiting or chunking, no logprobs, grammar or drafts to verify, and, with a drafter, the budget
-        proposes none for the step: its plain arm), a step schedules and launches the next decode step BEFORE it
-        reads the one on the device, then commits and emits that one while the device runs the next. The host's
+        Async scheduling (on by default where graphs are captured): while no request needs logprobs, a grammar or
+        drafts verified (and, with a drafter, the budget proposes none for the step: its plain arm), a step
+        schedules and launches the next step (decode rows, and the chunks of prompts that join) BEFORE it reads
+        the one on the device, then commits and emits that one while the device runs the next. The host's
         per-request work (commit, stop checks, emit, scheduling, packing) then hides behind the device instead of
         adding to it. What makes it exact: a request's token in flight is counted by `Sequence.num_inflight` (the
         scheduler sees the pending token, the upload its position), the launched step reads it on the device
         (`ModelRunner.launch`), and a row of a request that the step in flight finished (EOS, a stop string, an
         abort) is computed and dropped: its result is never committed, its rows past the request's end are never
-        read. A request that is at its last token, a prompt that waits, or any step `launch` cannot take ends the
-        overlap: the step in flight is read first, and the engine steps in turn until the batch is plain decoding
+        read. A request that is at its last token, or any step `launch` cannot take ends the overlap: the step in flight is read first, and the engine steps in turn until the batch is plain decoding
         again. The tokens are those of the synchronous engine (tests/test_async_scheduling.py); outputs come one
         step later."""
         if self._inflight is not None and not self.can_overlap():
@@ -269,9 +268,10 @@ class LLMEngine:
             if decided is None or (not any(decided[0]) and not decided[2]):
                 launched = self.runner.launch(items)
             if launched is not None:
+                for i in launched.sampling:  # (before the chunks advance: `samples` reads the cached length)
+                    items[i].seq.num_inflight += 1
                 for it in items:
                     it.seq.num_cached_tokens += it.num_tokens
-                    it.seq.num_inflight += 1
                 previous, self._inflight = self._inflight, (items, launched)
                 self._launched_in_a_row += 1
                 if self.spec is not None and self._launched_in_a_row <= 2:
@@ -302,18 +302,17 @@ class LLMEngine:
         return drafts, rows, self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running))
 
     def can_overlap(self) -> bool:
-        """Whether the next step may be launched before the one in flight is read: nothing waits, every running
-        request decodes plainly (its pending token is the one in flight or known, it holds no drafts to verify)
-        and may take a token after the one in flight (the step in flight finishes none of them by length or
-        context)."""
-        if self.scheduler.waiting:
-            return False
+        """Whether the next step may be scheduled and launched before the one in flight is read: every running
+        request holds no drafts to verify, needs no logprobs or grammar, and may take a token after the one in
+        flight (the step in flight finishes none of them by length or context). Requests that wait may join:
+        their prompt chunks are launched too (`ModelRunner.launch` refuses a step it cannot take: one with a
+        grammar or logprobs, or a recompute behind a token in flight)."""
         limit = self.max_model_len
         for seq in self.scheduler.running:
             p, num_out = seq.params, len(seq.output_ids) + seq.num_inflight
             if seq.spec.draft_ids or seq.grammar is not None or p.logprobs is not None \
-                    or p.prompt_logprobs is not None or len(seq.prompt_ids) + num_out - seq.num_cached_tokens != 1 \
-                    or num_out >= p.max_tokens or len(seq.prompt_ids) + num_out >= limit:
+                    or p.prompt_logprobs is not None or num_out >= p.max_tokens \
+                    or len(seq.prompt_ids) + num_out >= limit:
                 return False
         return True
 
@@ -325,8 +324,8 @@ class LLMEngine:
             inflight, self._inflight = self._inflight, None
         items, launched = inflight
         result = launched.result()
-        for it in items:
-            it.seq.num_inflight -= 1
+        for i in launched.sampling:
+            items[i].seq.num_inflight -= 1
         live = [i for i, it in enumerate(items) if not it.seq.is_finished]
         if len(live) < len(items):
             result = StepResult({j: result.rows[i] for j, i in enumerate(live) if i in result.rows}, False, {},

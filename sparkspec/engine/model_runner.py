@@ -26,7 +26,7 @@ from sparkspec.engine.cuda_graphs import GraphKey
 from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
-from sparkspec.engine.step_io import Download, PendingFetch
+from sparkspec.engine.step_io import Download, PendingFetch, untag
 from sparkspec.engine.step_plan import PREFILL_LENS, StepPlanner
 from sparkspec.engine.step_result import StepResult, read_step
 from sparkspec.models.cache import KVCache, cache_dtype
@@ -58,15 +58,28 @@ class DecodeOutput:
 
 @dataclass
 class InFlightStep:
-    """A launched step whose copy back has not been read (`ModelRunner.launch`)."""
+    """A launched step whose copy back has not been read (`ModelRunner.launch`): its parts (item indices, plan) in
+    launch order, one part where the step is a decode graph, and their one copy back."""
 
-    plan: PackedStep
+    parts: list[tuple[list[int], PackedStep]]
     pending: PendingFetch
     q_store: torch.Tensor | None
 
+    @property
+    def sampling(self) -> list[int]:
+        """Items whose last row yields a token (the ones that now have a token in flight)."""
+        return [group[i] for group, p in self.parts for i in p.sampling]
+
     def result(self) -> StepResult:
         """Waits for the step's copy back -> what `execute` returns for it."""
-        return read_step(self.plan, self.pending.wait(), self.q_store)
+        host = self.pending.wait()
+        if len(self.parts) == 1:
+            return read_step(self.parts[0][1], host, self.q_store)
+        rows = {}
+        for j, (group, p) in enumerate(self.parts):  # (no part proposes drafts: no q rows to place)
+            for i, row in read_step(p, untag(host, str(j)), self.q_store).rows.items():
+                rows[group[i]] = row
+        return StepResult(rows, False, {})
 
 
 MODE_FLAGS = {"greedy": (True, False, False), "sample": (False, False, False), "filter": (False, True, True)}
@@ -249,10 +262,8 @@ class ModelRunner:
         if p.prompt_items:  # prompt tokens: the model's raw distribution
             lp = torch.log_softmax(out.logits[dev["prompt_rows"]].float(), -1)
             down.add("prompt", *gather_logprobs(lp, dev["prompt_next"], p.num_prompt_top))
-        if not p.sampling:
-            if self.drafts_on_device:  # a prefill chunk: context only
-                empty = batch.positions[:0]
-                self.proposer.observe(StepRows(batch, out, dev["next_ids"], empty, empty, empty, empty, None))
+        if not p.sampling:  # a prefill chunk: context only
+            self.observe_context(batch, out, dev)
             return read_step(p, down.fetch(), self.q_store)
         if token_masks is not None:
             dev["token_bitmask"] = self.bitmask_rows(p, token_masks).to(self.device, non_blocking=True)
@@ -265,36 +276,96 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, items: list[ScheduledSeq]) -> InFlightStep | None:
-        """A plain decode step (no drafts), launched and not waited for (async scheduling): its graph replays,
-        its copy back is started, and the tokens it samples are left on the device for the step after it, which
-        may be launched before this one's result is read. None where the step is not a persistent-batch graph
-        step (the engine then runs it by `execute`, after reading the step in flight).
+        """A plain step (no drafts, no logprobs, no grammar), launched and not waited for (async scheduling): its
+        parts run (`split_mixed`: the decode rows as their graph, then prompts as prefill graphs, then other
+        chunks eagerly), their one copy back is started, and the tokens they sample are left on the device for
+        the step after it, which may be launched before this one's result is read. None where a part cannot be
+        taken (nothing has run then: the engine runs the step by `execute`, after reading the step in flight).
 
         Rows whose pending token is still in flight (`Sequence.num_inflight`: sampled by the step launched
-        before) get it on the device: each graph decode step writes its sampled token into `last_tokens` at its
-        requests' slots, and this step's upload carries, behind the graph's own parts, its slots and the rows to
-        fill from them (one copy up, two small kernels; the graph reads its ids from the filled upload)."""
-        n, batch = len(items), self.planner.batch
-        p = None if batch is None else batch.pack_decode(items, [[] for _ in items], [-1] * n, 0,
-                                                          self.graphs.key_for)
-        if p is None or p.key.q != 1:
+        before) get it on the device: every part writes the tokens it samples into `last_tokens` at its requests'
+        slots of the persistent batch, and the decode part's upload carries, behind the graph's own parts, its
+        slots and the rows to fill from them (one copy up, two small kernels; the graph reads its ids from the
+        filled upload). A prompt chunk's ids are all on the host (its request has nothing in flight).
+
+        Why mixed steps too: with output lengths that vary, a request joins on most steps at high concurrency,
+        and a step that carried a prompt ran in turn, the device idle while the host committed, scheduled and
+        packed (on the H200 demo pair at c = 256, 79 % of the steps)."""
+        batch, n = self.planner.batch, len(items)
+        if batch is None or not n:
             return None
+        groups = self.split_mixed(items, max(self.graphs.prefill_lens, default=0), self.graphs.prefill_groups)
+        if groups is None:
+            groups = [list(range(n))]
+        if len(groups) > 1:  # one call: filling a slot may free those of requests not in the call
+            batch.slots_for([it.seq for it in items if it.samples])
+        plans = []
+        for group in groups:
+            sub = [items[i] for i in group]
+            none = [[] for _ in sub]
+            if [it.num_tokens for it in sub].count(1) == len(sub):  # decode rows (or 1-token chunks)
+                p = batch.pack_decode(sub, none, [-1] * len(sub), 0, self.graphs.key_for)
+                if p is None or p.key.q != 1:
+                    return None
+            else:
+                if any(it.seq.num_inflight or it.seq.grammar is not None for it in sub):
+                    return None
+                p = self.planner.pack_lists(sub, none, [-1] * len(sub), 0)
+                if p.prompt_items or p.logprob_rows:
+                    return None
+            plans.append((group, p))
         if self.last_tokens is None or self.last_tokens.numel() < batch.num_slots:
             grown = torch.zeros(batch.num_slots, dtype=torch.long, device=self.device)
             if self.last_tokens is not None:
                 grown[: self.last_tokens.numel()] = self.last_tokens
             self.last_tokens = grown
-        fill = np.flatnonzero(np.fromiter((it.seq.num_inflight for it in items), np.int64, n))  # item = id row
-        L = len(p.flat)
-        dev = to_device(np.concatenate([p.flat, p.slots, fill, p.slots[fill]]), self.device)
-        slots, rows, src = dev[L : L + n], dev[L + n : L + n + len(fill)], dev[L + n + len(fill) :]
-        if len(fill):
-            dev[:L].index_copy_(0, rows, self.last_tokens.index_select(0, src))  # ids are the upload's first part
-        _, res = self.graphs.run(p.key, dev)
-        self.last_tokens.index_copy_(0, slots, res.tokens[:n, 0])  # q = 1: the token sampled is the pending one
-        down = Download()
-        self.add_fetch(down, res, n)
-        return InFlightStep(p, down.start(), self.q_store)
+        if len(plans) == 1:
+            down = Download()
+            self.launch_part(plans[0][1], down)
+        else:
+            down = Download()
+            for j, (_, p) in enumerate(plans):
+                part = Download()
+                self.launch_part(p, part)
+                down.absorb(part, str(j))
+        return InFlightStep(plans, down.start(), self.q_store)
+
+    def launch_part(self, p: PackedStep, down: Download) -> None:
+        """Runs one part of a launched step (`launch`), hands the tokens it samples over in `last_tokens` and adds
+        its results to `down`."""
+        S = len(p.sampling)
+        if p.slots is not None:  # decode rows, packed by the persistent batch: pending tokens filled on the device
+            n = len(p.items)
+            fill = np.flatnonzero(np.fromiter((it.seq.num_inflight for it in p.items), np.int64, n))  # item = row
+            L = len(p.flat)
+            dev = to_device(np.concatenate([p.flat, p.slots, fill, p.slots[fill]]), self.device)
+            slots, rows, src = dev[L : L + n], dev[L + n : L + n + len(fill)], dev[L + n + len(fill) :]
+            if len(fill):
+                dev[:L].index_copy_(0, rows, self.last_tokens.index_select(0, src))  # ids: the upload's first part
+            _, res = self.graphs.run(p.key, dev)
+        else:  # prompt chunks: every id on the host
+            slots_np = self.planner.batch.slots_for([p.items[i].seq for i in p.sampling])
+            if p.key is not None:
+                L = len(p.flat)
+                dev = to_device(np.concatenate([np.asarray(p.flat, np.int64), slots_np]), self.device)
+                _, res = self.graphs.run(p.key, dev)
+                slots = dev[L:]
+            else:
+                p.upload.add("last_slots", slots_np.tolist())
+                batch, out, dev = self.forward(p)
+                if not S:
+                    self.observe_context(batch, out, dev)
+                    return
+                res = self.decode(batch, out, dev, S, p.K, p.mode, p.num_drafts)
+                slots = dev["last_slots"]
+        self.last_tokens.index_copy_(0, slots, res.tokens[:S, 0])  # q = 1: the token sampled is the pending one
+        self.add_fetch(down, res, S)
+
+    def observe_context(self, batch, out, dev: dict) -> None:
+        """A prefill chunk that samples nothing: the device drafter writes its rows into its context."""
+        if self.drafts_on_device:
+            empty = batch.positions[:0]
+            self.proposer.observe(StepRows(batch, out, dev["next_ids"], empty, empty, empty, empty, None))
 
     @staticmethod
     def fetch(down: Download, res: DecodeOutput, S: int) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sparkspec.models.forward_batch import pinned_buffer
+from sparkspec.models.forward_batch import pinned_buffer, pinned_copied
 
 
 def float_bits(values: list[float]) -> list[int]:
@@ -49,6 +49,13 @@ class Download:
     def add(self, name: str, *tensors: torch.Tensor) -> None:
         self.pieces[name] = list(tensors)
 
+    def absorb(self, other: Download, tag: str) -> None:
+        """Take `other`'s pieces under `tag` (the parts of one step, one copy back: `untag` reads each part's),
+        copied now on the device: they may be a graph's outputs, which the next part's replay of the same graph
+        (two prompt groups of one padded shape) would overwrite before the copy back."""
+        for name, ts in other.pieces.items():
+            self.pieces[f"{tag}/{name}"] = [t.to(torch.float64, copy=True) for t in ts]
+
     def flat(self) -> torch.Tensor | None:
         """Every piece, as float64, end to end on the device (None: nothing added)."""
         parts = [t.double().flatten() for ts in self.pieces.values() for t in ts]
@@ -63,13 +70,11 @@ class Download:
         """The same copy, started and not waited for: into a pinned host buffer on the device's stream (the
         device runs on; a later step may be launched first). `PendingFetch.wait` -> what `fetch` returns."""
         flat = self.flat()
-        if flat.device.type == "cpu":
+        if flat is None or flat.device.type == "cpu":
             return PendingFetch(self, flat, None)
         host = pinned_buffer(flat.device, torch.float64, flat.numel())
         host.copy_(flat, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return PendingFetch(self, host, done)
+        return PendingFetch(self, host, pinned_copied(flat.device, torch.float64))
 
     def unpack(self, host: list[float]) -> dict[str, list[list[float]]]:
         out, off = {}, 0
@@ -90,4 +95,10 @@ class PendingFetch:
     def wait(self) -> dict[str, list[list[float]]]:
         if self.done is not None:
             self.done.synchronize()
-        return self.down.unpack(self.host.tolist())
+        return self.down.unpack(self.host.tolist() if self.host is not None else [])
+
+
+def untag(host: dict[str, list], tag: str) -> dict[str, list]:
+    """The pieces `Download.absorb` took under `tag`, by their own names."""
+    pre = tag + "/"
+    return {name[len(pre) :]: v for name, v in host.items() if name.startswith(pre)}

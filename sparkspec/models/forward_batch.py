@@ -164,21 +164,44 @@ def batch_from_flat(flat: torch.Tensor, parts: list[list[int]], cache: KVCache, 
     return batch, flat[off:]
 
 
-_PINNED: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}  # two pinned host buffers per use
+PINNED_DEPTH = 4  # pinned host buffers kept per (device, dtype), handed out in turn
+
+
+@dataclass
+class _PinnedRing:
+    buffers: list = field(default_factory=lambda: [None] * PINNED_DEPTH)
+    events: list = field(default_factory=lambda: [None] * PINNED_DEPTH)  # each buffer's last copy
+    turn: int = -1
+
+
+_PINNED: dict[tuple[torch.device, torch.dtype], _PinnedRing] = {}
 
 
 def pinned_buffer(device: torch.device, dtype: torch.dtype, n: int) -> torch.Tensor:
-    """A pinned host buffer of n elements for an asynchronous copy to or from `device`, from two that are kept
-    per (device, dtype) and handed out in turn (allocating pinned memory costs milliseconds). In turn is enough:
-    at most two steps are in flight, and a step's copies are done before the step two later asks (each step's
-    copy back is waited for by then)."""
-    ring = _PINNED.setdefault((device, dtype), [])
-    if len(ring) < 2 or ring[0].numel() < n:
-        size = max(n, 2 * (ring[0].numel() if ring else 1 << 14))
-        with torch.inference_mode(False):  # normal tensors: a ring made under inference mode is reused outside it
-            ring[:] = [torch.empty(size, dtype=dtype, pin_memory=True) for _ in range(2)]
-    ring.reverse()
-    return ring[0][:n]
+    """A pinned host buffer of n elements for an asynchronous copy to or from `device`, from `PINNED_DEPTH` kept
+    per (device, dtype) and handed out in turn (allocating pinned memory costs milliseconds). The caller enqueues
+    its copy and then calls `pinned_copied`; a buffer handed out again first waits for that copy (a step launched
+    ahead uploads once per part: a mixed step's decode graph, then its prompts, while the step before it may not
+    have started on the device)."""
+    ring = _PINNED.setdefault((device, dtype), _PinnedRing())
+    ring.turn = i = (ring.turn + 1) % PINNED_DEPTH
+    buf, done = ring.buffers[i], ring.events[i]
+    if done is not None:
+        done.synchronize()  # (at once unless the device is PINNED_DEPTH copies behind)
+        ring.events[i] = None
+    if buf is None or buf.numel() < n:
+        size = max(n, 2 * (buf.numel() if buf is not None else 1 << 14))
+        with torch.inference_mode(False):  # a normal tensor: one made under inference mode is reused outside it
+            buf = ring.buffers[i] = torch.empty(size, dtype=dtype, pin_memory=True)
+    return buf[:n]
+
+
+def pinned_copied(device: torch.device, dtype: torch.dtype):
+    """The copy from or into the buffer `pinned_buffer` handed out last is enqueued -> its event (recorded now)."""
+    ring = _PINNED[(device, dtype)]
+    done = ring.events[ring.turn] = torch.cuda.Event() if device.type == "cuda" else torch.Event(device=device)
+    done.record()
+    return done
 
 
 def to_device(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
@@ -188,7 +211,9 @@ def to_device(values: list[int] | np.ndarray, device: torch.device) -> torch.Ten
         return flat
     staging = pinned_buffer(device, torch.long, flat.numel())
     staging.copy_(flat)
-    return staging.to(device, non_blocking=True)
+    out = staging.to(device, non_blocking=True)
+    pinned_copied(device, torch.long)
+    return out
 
 
 def build_batch(
