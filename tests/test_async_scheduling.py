@@ -133,8 +133,10 @@ def test_requests_joining_and_an_abort():
 def test_mixed_steps_launched_ahead(temperature):
     """A closed loop (a request joins as one ends) with prompts of every kind: short ones (a prefill graph beside
     the decode graph), several in one step, longer ones (eager: past the longest prefill graph) and long ones cut
-    into chunks (the chunks that sample nothing run eagerly). Those steps are launched ahead with the decode rows, each part handing its sampled tokens to the
-    next step on the device; the tokens are those of the engine in turn, every request's slot and block freed."""
+    into chunks (the chunks that sample nothing run eagerly). Those steps are launched ahead with the decode rows,
+    each part handing its sampled tokens to the next step on the device; the tokens are those of the engine in
+    turn, every request's slot and block freed. (The eager static steps keep their outputs from run to run, as
+    replayed graphs do: two prompt groups of one shape in one step overwrite the first's before the copy back.)"""
     cfg, model, _ = tiny_setup()
     lengths = [3, 40, 9, 17, 70, 5, 12, 33, 2, 25]
     prompts = mixed_prompts(cfg.vocab_size, lengths, seed=13)

@@ -31,7 +31,6 @@ that do not sample, prompts longer than the longest prefill length, and steps th
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from collections.abc import Callable
