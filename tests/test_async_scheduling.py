@@ -57,7 +57,9 @@ def test_tokens_equal_the_engine_that_steps_in_turn(temperature):
     got = eng.generate(prompts, params)
     assert [o.token_ids for o in got] == want
     assert [o.finish_reason for o in got] == ["length"] * len(prompts)
-    assert len(launched) >= 10, "the decode steps ran ahead"
+    # every step ran ahead: the prefill, and every decode step while requests end by length one after another (a
+    # request whose last token is in flight is left out of the next step instead of ending the overlap)
+    assert len(launched) == eng.stats.num_steps >= 20
     assert eng.scheduler.block_manager.usage == 0 and not eng.has_unfinished()
     assert all(s.num_inflight == 0 for s in eng.requests.values())
 

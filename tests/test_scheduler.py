@@ -265,3 +265,27 @@ def test_rows_without_drafts_reserve_no_lookahead():
     out = sched.schedule()
     assert [(it.seq.seq_id, it.num_lookahead) for it in out.scheduled] == [(0, 7), (1, 2)] + [
         (i, 0) for i in range(2, 7)]  # 8 + 3 + 5 rows = 16
+
+
+
+@pytest.mark.parametrize("num_blocks", [5, 4])
+def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_nor_preempted(num_blocks):
+    """Async scheduling: the step launched ahead holds request a's last token. The next schedule leaves a out (it
+    ends when that step is read). With a block to spare, b (older) takes it; with none, b waits for a's blocks
+    rather than preempting a (whose token would then be committed into a request back in the queue), and nobody
+    is admitted meanwhile."""
+    s = make(num_blocks=num_blocks, block_size=4)
+    b, a, c = seq(1, prompt_len=7, max_tokens=9), seq(0, prompt_len=7, max_tokens=2), seq(2, prompt_len=3)
+    s.add(b)
+    s.add(a)
+    run_step(s)  # both prefilled (2 blocks each) with their first output token
+    for q in (b, a):  # then a step launched ahead: each has its next token in flight (a's is its last)
+        q.num_cached_tokens += 1
+        q.num_inflight = 1
+    s.add(c)
+    out = s.schedule()  # b's next token is its 10th: a third block
+    assert a in s.running and a not in [it.seq for it in out.scheduled] and not out.preempted
+    if num_blocks == 5:
+        assert [it.seq for it in out.scheduled] == [b]
+    else:
+        assert out.is_empty and c in s.waiting

@@ -246,8 +246,8 @@ class LLMEngine:
         scheduler sees the pending token, the upload its position), the launched step reads it on the device
         (`ModelRunner.launch`), and a row of a request that the step in flight finished (EOS, a stop string, an
         abort) is computed and dropped: its result is never committed, its rows past the request's end are never
-        read. A request that is at its last token, or any step `launch` cannot take, ends the overlap: the step in
-        flight is read first, and the engine steps in turn until the batch can overlap again. The tokens are those
+        read; a request whose last token is in flight is not scheduled again. A step `launch` cannot take ends the
+        overlap: the step in flight is read first, and the engine steps in turn until the batch can overlap again. The tokens are those
         of the synchronous engine (tests/test_async_scheduling.py); outputs come one step later."""
         if self._inflight is not None and not self.can_overlap():
             self._launched_in_a_row = 0
@@ -302,17 +302,15 @@ class LLMEngine:
         return drafts, rows, self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running))
 
     def can_overlap(self) -> bool:
-        """Whether the next step may be scheduled and launched before the one in flight is read: every running
-        request holds no drafts to verify, needs no logprobs or grammar, and may take a token after the one in
-        flight (the step in flight finishes none of them by length or context). Requests that wait may join:
-        their prompt chunks are launched too (`ModelRunner.launch` refuses a step it cannot take: one with a
-        grammar or logprobs, or a recompute behind a token in flight)."""
-        limit = self.max_model_len
+        """Whether the next step may be scheduled and launched before the one in flight is read: no running
+        request holds drafts to verify or needs logprobs or a grammar. A request whose last token is in flight is
+        left out of the next step (`Scheduler.finishing`: it ends when the step in flight is read), and requests
+        that wait may join: their prompt chunks are launched too (`ModelRunner.launch` refuses a step it cannot
+        take: one with a grammar or logprobs, or a recompute behind a token in flight)."""
         for seq in self.scheduler.running:
-            p, num_out = seq.params, len(seq.output_ids) + seq.num_inflight
+            p = seq.params
             if seq.spec.draft_ids or seq.grammar is not None or p.logprobs is not None \
-                    or p.prompt_logprobs is not None or num_out >= p.max_tokens \
-                    or len(seq.prompt_ids) + num_out >= limit:
+                    or p.prompt_logprobs is not None:
                 return False
         return True
 

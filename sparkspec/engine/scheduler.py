@@ -148,10 +148,13 @@ class Scheduler:
         c, bm = self.config, self.block_manager
         out = SchedulerOutput()
         budget = c.max_num_batched_tokens
-        i = 0
+        i, starved = 0, False  # starved: a running request waits for blocks (admit nobody this step)
         bs, extra, versions = bm.block_size, bm.blocks_per_seq, bm.table_versions
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_inflight and self.finishing(seq):
+                i += 1  # its last token is in flight: it ends when that step is read, nothing to schedule
+                continue
             nc = seq.num_cached_tokens
             left = len(seq.prompt_ids) + len(seq.output_ids) + seq.num_inflight - nc  # uncomputed tokens
             n = min(left, budget)
@@ -167,7 +170,11 @@ class Scheduler:
                 i += 1
                 continue
             while not bm.can_allocate(seq, seq.num_cached_tokens + n + lookahead):
-                victim = self.running.pop()  # the youngest; never one already scheduled (those are running[:i])
+                victim = self.running[-1]  # the youngest; never one already scheduled (those are running[:i])
+                if victim is not seq and victim.num_inflight and self.finishing(victim):
+                    starved = True  # its blocks come back once the step in flight is read: wait for them
+                    break
+                self.running.pop()
                 self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -180,7 +187,8 @@ class Scheduler:
                 continue
             break
         caching = bm.enable_prefix_caching
-        while self.waiting and not out.preempted and len(self.running) < c.max_num_seqs and budget > 0:
+        while self.waiting and not out.preempted and not starved and len(self.running) < c.max_num_seqs \
+                and budget > 0:
             seq = self.waiting[0]
             hit, hit_blocks = 0, []
             if caching and getattr(seq.params, "prompt_logprobs", None) is None:
@@ -209,6 +217,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n, 0, bm.table_version(seq)))
             budget -= n
         return out
+
+    def finishing(self, seq: Sequence) -> bool:
+        """The tokens `seq` has and has in flight reach its length limit (async scheduling: the step launched ahead
+        holds its last token)."""
+        num_out = len(seq.output_ids) + seq.num_inflight
+        return num_out >= seq.params.max_tokens or len(seq.prompt_ids) + num_out >= self.config.max_model_len
 
     def preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's caches; it re-enters the queue first and is recomputed later."""
