@@ -247,8 +247,9 @@ class LLMEngine:
         (`ModelRunner.launch`), and a row of a request that the step in flight finished (EOS, a stop string, an
         abort) is computed and dropped: its result is never committed, its rows past the request's end are never
         read; a request whose last token is in flight is not scheduled again. A step `launch` cannot take ends the
-        overlap: the step in flight is read first, and the engine steps in turn until the batch can overlap again. The tokens are those
-        of the synchronous engine (tests/test_async_scheduling.py); outputs come one step later."""
+        overlap: the step in flight is read first, and the engine steps in turn until the batch can overlap
+        again. The tokens are those of the synchronous engine (tests/test_async_scheduling.py); outputs come one
+        step later."""
         if self._inflight is not None and not self.can_overlap():
             self._launched_in_a_row = 0
             return self.finish_inflight()
