@@ -319,11 +319,10 @@ class ModelRunner:
             if self.last_tokens is not None:
                 grown[: self.last_tokens.numel()] = self.last_tokens
             self.last_tokens = grown
+        down = Download()
         if len(plans) == 1:
-            down = Download()
             self.launch_part(plans[0][1], down)
         else:
-            down = Download()
             for j, (_, p) in enumerate(plans):
                 part = Download()
                 self.launch_part(p, part)
