@@ -3,7 +3,7 @@ step-time observations, a fake clock, no engine."""
 
 import pytest
 
-from sparkspec.engine.budget import CostTable, StepTimes, VerificationBudget, bucket_of, survival
+from sparkspec.engine.budget import CostTable, GCClock, StepTimes, VerificationBudget, bucket_of, survival
 
 K = 4
 
@@ -441,3 +441,65 @@ def test_a_step_is_the_prompts_where_its_chunks_outweigh_its_decode_rows():
         told.clear()
         policy.num_drafts_to_propose(items)
         assert told == [("decide", heavy), ("file", heavy)]
+
+
+@pytest.mark.parametrize("leave_out_gc", [True, False])
+def test_garbage_collection_is_left_out_of_the_filed_steps(leave_out_gc):
+    """A plain step costs 1 ms for 16 tokens, a drafting step 3.6 ms for 48 (plain decoding is 1.2x faster); a 10 ms
+    collection strikes every third step, whichever arm runs. Filed with the collections, plain decoding (the arm
+    that runs most steps, so most collections) looks 3x slower than it is and the budget drafts; with the time in
+    the collector left out (`GCClock`) both arms are filed at what they cost and plain decoding is kept."""
+    clock = FakeClock()
+    gc_clock = GCClock(clock)
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock,
+                                gc_clock=gc_clock if leave_out_gc else None)
+    accepting(budget, 2)
+
+    def seconds(n, verified, proposed):
+        step = 0.0036 if (verified or proposed) else 0.001
+        if n % 3 == 0:  # the collector's clock counts its 10 ms as the step's wall time does
+            gc_clock.seconds += 0.010
+            step += 0.010
+        return step
+
+    ks = run_loop(budget, clock, 16, seconds, 400, tokens=lambda n, v, p: 48 if (v or p) else 16)
+    drafting = sum(k > 0 for k in ks[200:]) / 200
+    if leave_out_gc:
+        assert budget.step_times.seconds(16, "plain") == pytest.approx(0.001)
+        assert drafting < 0.15
+    else:
+        assert drafting > 0.5
+
+
+def test_the_shared_gc_clock_counts_real_collections():
+    import gc
+
+    fake = FakeClock()
+    timed = GCClock(fake)
+    fake.now = 1.0
+    timed._callback("start", {"generation": 0})
+    fake.now = 1.25
+    timed._callback("stop", {"generation": 0})
+    assert timed.seconds == 0.25
+    clock = GCClock.shared()
+    assert GCClock.shared() is clock and gc.callbacks.count(clock._callback) == 1
+    before = clock.seconds
+    junk = [[i] for i in range(20000)]
+    gc.collect()
+    del junk
+    assert clock.seconds > before
+
+
+def test_reads_within_one_step_add_up():
+    """Two results read within one step's interval (the step launched before, then one run in turn) are both that
+    interval's tokens: the second does not replace the first."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    budget.step_boundary()
+    budget.note_step(4, 0, 0)
+    clock.now += 0.002
+    budget.note_tokens(4)
+    budget.note_tokens(3)
+    budget.step_boundary()
+    assert list(budget.step_times.tokens[(bucket_of(4), "plain")]) == [7]
+    assert budget.step_times.throughput(4, "plain") == pytest.approx(7 / 0.002)

@@ -26,8 +26,8 @@ def drafts_by_position(method: str, skip_every: int) -> tuple[dict, list[list[in
                                               spec_budget="fixed", enforce_eager=True), tensors)
     propose, steps = eng.spec.num_drafts_to_propose, []
 
-    def num_drafts_to_propose(items, stats=None, num_running=None):
-        k = propose(items, stats, num_running)
+    def num_drafts_to_propose(items, stats=None, num_running=None, **kw):
+        k = propose(items, stats, num_running, **kw)
         steps.append(k)
         return 0 if skip_every and len(steps) % skip_every == 0 else k
 

@@ -27,7 +27,11 @@ def seq(i, prompt_len=6, max_tokens=4):
 
 def run_step(sched, accept=0):
     """Fake runner: compute scheduled chunks, append a token when a chunk reaches the end (+ `accept` drafts)."""
-    out = sched.schedule()
+    return apply(sched, sched.schedule(), accept)
+
+
+def apply(sched, out, accept=0):
+    """The fake runner's step on a schedule already made."""
     for s in out.scheduled:
         sq = s.seq
         reached_end = s.samples
@@ -289,3 +293,26 @@ def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_nor_preempted(
         assert [it.seq for it in out.scheduled] == [b]
     else:
         assert out.is_empty and c in s.waiting
+
+
+def test_step_counts_match_the_items_scheduled():
+    """`SchedulerOutput.num_sampling / num_decode / num_prompt_tokens` (what the speculation policy reads instead of
+    a pass over the items) equal their definitions over the scheduled items, through chunked prefills, decode rows,
+    lookahead and preemption with recompute."""
+    sched = make(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=10, num_lookahead_tokens=2)
+    for i in range(6):
+        sched.add(seq(i, prompt_len=5 + 3 * i, max_tokens=6))
+    kinds, steps = set(), 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        items = out.scheduled
+        decode = [s for s in items if s.num_tokens == 1 and s.samples and s.seq.output_ids]
+        want = (sum(s.samples for s in items), len(decode),
+                sum(s.num_tokens for s in items if not any(s is d for d in decode)))
+        assert (out.num_sampling, out.num_decode, out.num_prompt_tokens) == want
+        apply(sched, out, accept=1)
+        kinds |= {"chunk" for s in items if not s.samples} | {"decode" for _ in decode} | \
+            {"preempted" for _ in out.preempted}
+        steps += 1
+        assert steps < 500
+    assert kinds == {"chunk", "decode", "preempted"}

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -209,6 +210,34 @@ def load_or_measure(key: str, measure: Callable[[], CostTable], cache_dir: Path 
     return table
 
 
+class GCClock:
+    """Seconds spent in Python's cyclic garbage collector since the process installed this clock (one `gc.callbacks`
+    entry for every budget in the process; two calls per collection). A collection lands on whichever step is
+    running, and a full one costs milliseconds at high concurrency: on the H200 demo pair at c = 256 the plain arm's
+    filed steps had a median of 4.7 ms and a tail to 26 ms, and a window of 16 such steps swung by more than the
+    5 % that separates a choice. Such time says nothing about the arm, so `StepTimes` is fed steps without it."""
+
+    _installed: GCClock | None = None
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = self.clock()
+        else:
+            self.seconds += self.clock() - self._start
+
+    @classmethod
+    def shared(cls) -> GCClock:
+        if cls._installed is None:
+            cls._installed = cls()
+            gc.callbacks.append(cls._installed._callback)
+        return cls._installed
+
+
 Arm = Literal["plain", "spec"]
 ARMS: tuple[Arm, Arm] = ("plain", "spec")
 
@@ -231,9 +260,18 @@ class StepTimes:
     step). The median of the spec arm was its graph step, so drafting looked 2x ahead of plain
     decoding while it ran at 0.45x. Dropping the one largest sample still absorbs a single JIT compile or GC
     pause (a recurring cost has more samples in the window than the one dropped). Steps that carry a prompt
-    chunk are no longer filed at all (`VerificationBudget.note_step`): since the split they cost both arms alike."""
+    chunk are no longer filed at all (`VerificationBudget.note_step`): since the split they cost both arms alike.
 
-    def __init__(self, window: int = 16, max_seconds: float = 10.0, min_trim: int = 3):
+    32 samples, not 16: requests of one length that started together end together, and the steps around their
+    ends (rows left out while their last token is in flight, the read of the last step with nothing scheduled)
+    recur once a request's life, 64 steps at 64 tokens. A window of 16 held such a stretch a quarter of the time,
+    and the plain arm's estimate swung by more than the 5 % margin (`VerificationBudget.spec_margin`) with it.
+    Replayed over the H200 demo pair's traces at c = 64 (one length, second round), drafting led by the margin on
+    85 of 495 decisions with 16 samples, 22 with 32 and none with 64; but 64 keeps an arm that is only probed (3 to
+    5 samples a probe) on probes from a level before, and at c = 16 that arm's first-round samples, taken while
+    prompts joined unfiled, kept drafting ahead on 201 of 254 decisions (112 with 32, 140 with 16)."""
+
+    def __init__(self, window: int = 32, max_seconds: float = 10.0, min_trim: int = 3):
         self.window = window
         self.min_trim = min_trim
         self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
@@ -313,7 +351,7 @@ class VerificationBudget:
     def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None, padded: bool = False,
                  clock: Callable[[], float] = time.perf_counter, min_samples: int = 2, probe_every: int = 32,
                  probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 8, trusted_margin: float = 2.0,
-                 plain_probe_extra: int = 0, spec_margin: float = 1.05):
+                 plain_probe_extra: int = 0, spec_margin: float = 1.05, gc_clock: GCClock | None = None):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
@@ -327,6 +365,9 @@ class VerificationBudget:
         self.estimator = AcceptanceEstimator(max(num_spec_tokens, 1))
         self.step_times = StepTimes()
         self.clock = clock
+        # time in the garbage collector, left out of the filed steps (None: a test's clock, nothing left out)
+        self.gc_clock = gc_clock if gc_clock is not None else GCClock.shared() if clock is time.perf_counter else None
+        self._gc_at_start = 0.0
         self.min_samples = min_samples  # per arm and bucket before the measured times replace the cost table
         self.probe_every = probe_every  # decisions between probes of the arm not chosen
         # decisions a probe lasts: its first step is a transition, not a sample (and under async scheduling the
@@ -361,19 +402,23 @@ class VerificationBudget:
 
     # ---- whole-step wall time ----
     def step_boundary(self) -> None:
-        """A step starts: the interval since the previous start is that step's wall time, filed under its arm
+        """A step starts: the interval since the previous start, less the time the garbage collector took in it
+        (`GCClock`), is that step's wall time, filed under its arm
         (steps that verified and proposed drafts: spec; neither: plain; a transition between them, or a step that
         carried a prompt chunk: not filed)."""
         now = self.clock()
+        in_gc = self.gc_clock.seconds if self.gc_clock is not None else 0.0
         if self._step_start is not None and self._last_step is not None:
             num_reqs, verified, proposed, has_prompt = self._last_step
             if verified == proposed and not has_prompt:
                 arm: Arm = "spec" if verified else "plain"
-                self.step_times.observe(num_reqs, arm, now - self._step_start, self._last_tokens)
+                seconds = now - self._step_start - (in_gc - self._gc_at_start)  # (`GCClock`)
+                self.step_times.observe(num_reqs, arm, seconds, self._last_tokens)
                 if self.trace is not None:
-                    ms = round(1e3 * (now - self._step_start), 3)
-                    self.trace.append({"filed": arm, "running": num_reqs, "ms": ms, "tokens": self._last_tokens})
-        self._step_start, self._last_step, self._last_tokens = now, None, None
+                    self.trace.append({"filed": arm, "running": num_reqs, "ms": round(1e3 * seconds, 3),
+                                       "gc_ms": round(1e3 * (in_gc - self._gc_at_start), 3),
+                                       "tokens": self._last_tokens})
+        self._step_start, self._last_step, self._last_tokens, self._gc_at_start = now, None, None, in_gc
 
     def note_step(self, num_reqs: int, num_verified: int, num_proposed: int, has_prompt: bool = False) -> None:
         """What the step that `step_boundary` opened does: its bucket's request count (the requests the engine
@@ -410,8 +455,14 @@ class VerificationBudget:
         """Tokens the step in progress produced (after its commit). With them the measured arms compare tokens
         per second as produced, which also holds where the arms schedule different request counts: a drafting
         step reserves 1 + k rows per request, so under the token budget it may run fewer requests than a plain
-        step at the same concurrency."""
-        self._last_tokens = num_tokens
+        step at the same concurrency.
+
+        Several reads within one step's interval add up: where a step reads the one launched before it and then
+        runs one in turn, or reads the last step in flight with nothing to schedule, the interval's wall time holds
+        both. Before, the second read replaced the first, and the plain arm, which reads one step late, was filed
+        short of the tokens its time produced (a CPU closed loop at c = 8, plain decoding: 8.00 tokens per filed
+        step against 8.28 with both reads counted), while drafting, which reads in turn, was filed in full."""
+        self._last_tokens = num_tokens if self._last_tokens is None else self._last_tokens + num_tokens
 
     # ---- modelled throughput ----
     def speculation_pays(self, num_reqs: int) -> bool:

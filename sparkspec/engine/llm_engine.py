@@ -16,7 +16,7 @@ from sparkspec.engine.config import EngineConfig, apply_batch_invariant
 from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.kv_plan import KVCachePlan, plan_kv_cache
 from sparkspec.engine.model_runner import InFlightStep, ModelRunner
-from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from sparkspec.engine.sequence import Sequence, TokenSource
 from sparkspec.engine.step_result import StepResult
 from sparkspec.models.cache import cache_dtype
@@ -265,7 +265,7 @@ class LLMEngine:
                 and (self._inflight is not None or self.can_overlap()):
             launched = None
             if self.spec is not None:  # a drafting engine overlaps its plain stretches (the budget's plain arm)
-                decided = self.decide(items)
+                decided = self.decide(items, sched)
             if decided is None or (not any(decided[0]) and not decided[2]):
                 launched = self.runner.launch(items)
             if launched is not None:
@@ -295,12 +295,17 @@ class LLMEngine:
             items = [items[i] for i in live]
         return outputs + self.run_step(items, decided)
 
-    def decide(self, items: list[ScheduledSeq]) -> tuple[list[list[int]], list[int], int]:
-        """The speculation policy's choice for a step: (drafts each item verifies, their q rows, k to propose)."""
+    def decide(self, items: list[ScheduledSeq], sched: SchedulerOutput | None = None
+               ) -> tuple[list[list[int]], list[int], int]:
+        """The speculation policy's choice for a step: (drafts each item verifies, their q rows, k to propose).
+        `sched`: the scheduler's output that `items` are, unfiltered, in a step that may be launched ahead (no
+        running request holds drafts then: `can_overlap`); its counts spare the policy a pass over the items."""
         if self.spec is None:
             return [[] for _ in items], [-1] * len(items), 0
-        drafts, rows = self.spec.choose(items)
-        return drafts, rows, self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running))
+        drafts, rows = self.spec.choose(items, held=sched is None)
+        counts = None if sched is None else (sched.num_sampling, sched.num_decode, sched.num_prompt_tokens)
+        return drafts, rows, self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running),
+                                                             counts=counts)
 
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled and launched before the one in flight is read: no running
@@ -403,6 +408,10 @@ class LLMEngine:
             spec.forget_overwritten(self.scheduler.running, {items[i].seq for i in rows})
         produced, host_drafting = {}, []
         num_decode_rows = num_new = 0
+        # a plain step (nothing verified, nothing proposed: the budget's plain arm) keeps no drafts: the policy's
+        # per-row bookkeeping is skipped, bar dropping drafts a row held and did not verify
+        drafting = spec is not None and (k_next > 0 or any(drafts))
+        host_proposer = drafting and not spec.proposer.on_device
         now = time.perf_counter()  # the step's first-token time, for every request it gives a first token
         append_tokens, needs_text, target = self.append_tokens, self.needs_text, TokenSource.TARGET
         for i, it in enumerate(items):  # (hot at high concurrency: lookups hoisted)
@@ -422,10 +431,12 @@ class LLMEngine:
                 continue
             num_drafts = len(drafts[i])
             seq.num_cached_tokens += row.num_accepted
-            if spec is not None:
+            if drafting:
                 spec.record(seq, num_drafts, row.num_accepted, stats)
                 spec.keep(seq, row.next_drafts, row.next_confidences,
                           result.draft_row[i] if result.proposed_q else -1)
+            elif seq.spec.draft_ids:
+                seq.spec.draft_ids, seq.spec.confidences, seq.spec.draft_row = [], None, -1
             if seq.grammar is None and seq.params.max_tokens > 0:
                 new = append_tokens(seq, row.token_ids, now)
                 num_new += len(new)
@@ -442,7 +453,7 @@ class LLMEngine:
                 seq.token_sources.append(target)
             if seq.logprobs is not None:
                 seq.logprobs += row.logprobs[: len(new)]
-            if spec is not None and not spec.proposer.on_device and not seq.is_finished and seq.spec_cap != 0:
+            if host_proposer and not seq.is_finished and seq.spec_cap != 0:
                 host_drafting.append(seq)
         stats.num_decode_rows += num_decode_rows
         stats.num_generation_tokens += num_new

@@ -79,6 +79,11 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     num_queried_tokens: int = 0  # prefix cache: tokens of the requests admitted for the first time this step
     num_hit_tokens: int = 0  # ... and those of them found in the cache (not computed)
+    # what the speculation policy reads of a step (`SpecPolicy.step_counts`), counted as it is scheduled: items that
+    # sample (decode rows, last chunks), decode rows, and the tokens of prompt (or recompute) chunks
+    num_sampling: int = 0
+    num_decode: int = 0
+    num_prompt_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -166,6 +171,7 @@ class Scheduler:
                 self._reserved.append(seq)
             if -(-(nc + n + lookahead) // bs) + extra <= len(seq.block_ids):  # its blocks suffice (most steps)
                 out.scheduled.append(ScheduledSeq(seq, n, lookahead, versions.get(seq.seq_id, -1)))
+                self.count(out, n, left, is_decode)
                 budget -= n + lookahead
                 i += 1
                 continue
@@ -182,6 +188,7 @@ class Scheduler:
             else:
                 bm.allocate(seq, seq.num_cached_tokens + n + lookahead)
                 out.scheduled.append(ScheduledSeq(seq, n, lookahead, bm.table_version(seq)))
+                self.count(out, n, left, is_decode)
                 budget -= n + lookahead
                 i += 1
                 continue
@@ -215,8 +222,19 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, 0, bm.table_version(seq)))
+            self.count(out, n, uncomputed, False)
             budget -= n
         return out
+
+    @staticmethod
+    def count(out: SchedulerOutput, n: int, left: int, is_decode) -> None:
+        """A scheduled item of `n` tokens out of the `left` it has uncomputed (equal: it samples)."""
+        if n == left:
+            out.num_sampling += 1
+        if is_decode:
+            out.num_decode += 1
+        else:
+            out.num_prompt_tokens += n
 
     def finishing(self, seq: Sequence) -> bool:
         """The tokens `seq` has and has in flight reach its length limit (async scheduling: the step launched ahead

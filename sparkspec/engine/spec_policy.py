@@ -49,10 +49,14 @@ class SpecPolicy:
                                          padded=runner.graphs is not None, plain_probe_extra=2 if overlapped else 0)
 
     # ---- before the step ----
-    def choose(self, items: list[ScheduledSeq]) -> tuple[list[list[int]], list[int]]:
+    def choose(self, items: list[ScheduledSeq], held: bool = True) -> tuple[list[list[int]], list[int]]:
         """Drafts each item verifies (a prefix of what its request holds) and their rows in the runner's
-        `q_store` (the one owner of the drafts' q; -1: one-hot)."""
+        `q_store` (the one owner of the drafts' q; -1: one-hot). `held` False: the engine knows that no request
+        holds drafts (a plain stretch launched ahead), and nothing is looked up per item."""
         self.budget.step_boundary()
+        self._num_verified = 0
+        if not held:
+            return [[] for _ in items], [-1] * len(items)
         drafts: list[list[int]] = [[] for _ in items]
         decode = [i for i, it in enumerate(items) if it.num_lookahead > 0 and it.seq.spec.draft_ids]
         if decode:
@@ -72,17 +76,27 @@ class SpecPolicy:
         """Most drafts `seq` may verify: the engine's k, or less when the request asks (`num_spec_tokens`)."""
         return self.num_spec_tokens if seq.spec_cap is None else min(seq.spec_cap, self.num_spec_tokens)
 
-    def num_drafts_to_propose(self, items: list[ScheduledSeq], stats=None, num_running: int | None = None) -> int:
-        """k for the next step: drafts to propose at the end of this step (0: the drafter is not called).
-        `num_running`: the requests the engine runs (buckets the budget's measurements; default: those sampling)."""
-        num_sampling = prompt_tokens = num_decode = 0  # (one pass: at c = 256 on the H200 this ran on every step)
+    @staticmethod
+    def step_counts(items: list[ScheduledSeq]) -> tuple[int, int, int]:
+        """(items that sample, decode rows, tokens of prompt or recompute chunks): what the scheduler counts as it
+        schedules (`SchedulerOutput.num_sampling` ...), for items the engine has filtered since."""
+        num_sampling = num_decode = prompt_tokens = 0
         for it in items:
-            if it.num_tokens != 1 or not it.seq.output_ids:
-                prompt_tokens += it.num_tokens  # a chunk, not a decode row
-            else:
+            seq, n, samples = it.seq, it.num_tokens, it.samples
+            num_sampling += samples
+            if n == 1 and samples and (seq.output_ids or seq.num_inflight):
                 num_decode += 1
-            if it.samples:
-                num_sampling += 1
+            else:
+                prompt_tokens += n
+        return num_sampling, num_decode, prompt_tokens
+
+    def num_drafts_to_propose(self, items: list[ScheduledSeq], stats=None, num_running: int | None = None,
+                              counts: tuple[int, int, int] | None = None) -> int:
+        """k for the next step: drafts to propose at the end of this step (0: the drafter is not called).
+        `num_running`: the requests the engine runs (buckets the budget's measurements; default: those sampling).
+        `counts`: `step_counts(items)` where the engine has them from the scheduler (at c = 256 on the H200 the
+        pass over the items cost ~100 us a step)."""
+        num_sampling, num_decode, prompt_tokens = counts if counts is not None else self.step_counts(items)
         # the step is the prompt's, not the arm's, where its chunks outweigh its decode rows (a wave of prompts
         # joining); a few short chunks beside many decode rows are what a steady stream of requests looks like
         # (`VerificationBudget.note_step`)
