@@ -185,6 +185,10 @@ def test_profile_host_on_the_demo(tmp_path, capsys):
         assert decided and all((e["k"] > 0) == (e["decided"] == "spec") for e in decided)
         assert all(e["probe"] is None or e["probe"] == e["decided"] != e["best"] for e in decided)
         assert all(e["ms"] > 0 and e["filed"] in ("plain", "spec") for e in filed)
+        # every step is timed: filed under an arm, or not, with why (a step opens at each decision)
+        unfiled = [e for e in t["events"] if "unfiled" in e]
+        assert all(e["unfiled"] in ("prompt", "transition", "skipped") and e["ms"] >= 0 for e in unfiled)
+        assert len(filed) + len(unfiled) >= len(decided) - 1
     data = json.loads(out.read_text())
     assert data["meta"]["profile_host"] is True
     rows = data["results"]

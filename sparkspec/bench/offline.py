@@ -276,7 +276,8 @@ def release(device) -> None:
 
 
 def summarize_trace(events: list[dict]) -> str:
-    """One line: decisions per arm (probes apart), steps filed per arm with their mean ms and tokens."""
+    """One line: decisions per arm (probes apart), steps filed per arm with their mean ms and tokens, and the steps
+    not filed by why (`VerificationBudget.step_boundary`)."""
     from collections import Counter
 
     decided = Counter(("probe " if e["probe"] else "") + e["decided"] for e in events if "decided" in e)
@@ -288,6 +289,11 @@ def summarize_trace(events: list[dict]) -> str:
             toks = [e["tokens"] for e in filed if e["tokens"] is not None]
             parts.append(f"filed {arm} {len(filed)} x {ms:.2f} ms"
                          + (f", {sum(toks) / len(toks):.1f} tokens" if toks else ""))
+    unfiled = Counter(e["unfiled"] for e in events if "unfiled" in e)
+    if unfiled:
+        ms = sum(e["ms"] for e in events if "unfiled" in e)
+        parts.append("not filed " + ", ".join(f"{n} {why}" for why, n in sorted(unfiled.items()))
+                     + f" ({ms:.0f} ms in all)")
     return "; ".join(parts)
 
 
@@ -361,7 +367,8 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
                         "then compare runs seconds apart in one process")
     p.add_argument("--trace-budget", default=None, metavar="PATH",
                    help="write every decision of a drafting setting's budget (arm, why, the measured tokens per "
-                        "second of each arm) and every step it filed, per level, to this JSON file")
+                        "second of each arm) and every step it timed (filed under an arm, or not and why), per "
+                        "level, to this JSON file")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
     p.add_argument("--plot", default=None, help="PNG path for throughput vs concurrency")
     p.set_defaults(func=cmd_offline)

@@ -410,16 +410,22 @@ class VerificationBudget:
         carried a prompt chunk: not filed)."""
         now = self.clock()
         in_gc = self.gc_clock.seconds if self.gc_clock is not None else 0.0
-        if self._step_start is not None and self._last_step is not None:
-            num_reqs, verified, proposed, has_prompt = self._last_step
-            if verified == proposed and not has_prompt:
-                arm: Arm = "spec" if verified else "plain"
-                seconds = now - self._step_start - (in_gc - self._gc_at_start)  # (`GCClock`)
-                self.step_times.observe(num_reqs, arm, seconds, self._last_tokens)
-                if self.trace is not None:
-                    self.trace.append({"filed": arm, "running": num_reqs, "ms": round(1e3 * seconds, 3),
-                                       "gc_ms": round(1e3 * (in_gc - self._gc_at_start), 3),
-                                       "tokens": self._last_tokens})
+        if self._step_start is not None:
+            seconds = now - self._step_start - (in_gc - self._gc_at_start)  # (`GCClock`)
+            reason = "skipped" if self._last_step is None else None
+            if self._last_step is not None:
+                num_reqs, verified, proposed, has_prompt = self._last_step
+                reason = "prompt" if has_prompt else "transition" if verified != proposed else None
+                if reason is None:
+                    arm: Arm = "spec" if verified else "plain"
+                    self.step_times.observe(num_reqs, arm, seconds, self._last_tokens)
+            if self.trace is not None:  # every step: those not filed too, with why (a later estimator's data)
+                event = {"filed": arm} if reason is None else {"unfiled": reason}
+                if self._last_step is not None:
+                    event["running"], event["verified"], event["proposed"] = self._last_step[:3]
+                event |= {"ms": round(1e3 * seconds, 3), "gc_ms": round(1e3 * (in_gc - self._gc_at_start), 3),
+                          "tokens": self._last_tokens}
+                self.trace.append(event)
         self._step_start, self._last_step, self._last_tokens, self._gc_at_start = now, None, None, in_gc
 
     def note_step(self, num_reqs: int, num_verified: int, num_proposed: int, has_prompt: bool = False) -> None:
