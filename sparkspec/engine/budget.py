@@ -213,9 +213,9 @@ def load_or_measure(key: str, measure: Callable[[], CostTable], cache_dir: Path 
 class GCClock:
     """Seconds spent in Python's cyclic garbage collector since the process installed this clock (one `gc.callbacks`
     entry for every budget in the process; two calls per collection). A collection lands on whichever step is
-    running, and a full one costs milliseconds at high concurrency: on the H200 demo pair at c = 256 the plain arm's
-    filed steps had a median of 4.7 ms and a tail to 26 ms, and a window of 16 such steps swung by more than the
-    5 % that separates a choice. Such time says nothing about the arm, so `StepTimes` is fed steps without it."""
+    running: on the H200 demo pair at c = 256, 7 or 8 of ~450 filed plain steps a level held more than 2 ms of it,
+    up to 17 ms (the budget trace's `gc_ms`), against a median step of 4.7 ms. Such time says nothing about the arm,
+    so `StepTimes` is fed steps without it."""
 
     _installed: GCClock | None = None
 
@@ -259,8 +259,8 @@ class StepTimes:
     steps carried a prompt and `execute` averaged 10.8 ms against ~2 ms for a graph step (so ~45 ms per eager
     step). The median of the spec arm was its graph step, so drafting looked 2x ahead of plain
     decoding while it ran at 0.45x. Dropping the one largest sample still absorbs a single JIT compile or GC
-    pause (a recurring cost has more samples in the window than the one dropped). Steps that carry a prompt
-    chunk are no longer filed at all (`VerificationBudget.note_step`): since the split they cost both arms alike.
+    pause (a recurring cost has more samples in the window than the one dropped). Steps whose prompt chunks
+    outweigh their decode rows are not filed at all (`VerificationBudget.note_step`).
 
     64 samples, not 16: requests of one length that started together end together, and the steps around their
     ends (rows left out while their last token is in flight, the read of the last step with nothing scheduled)
@@ -412,17 +412,16 @@ class VerificationBudget:
         in_gc = self.gc_clock.seconds if self.gc_clock is not None else 0.0
         if self._step_start is not None:
             seconds = now - self._step_start - (in_gc - self._gc_at_start)  # (`GCClock`)
-            reason = "skipped" if self._last_step is None else None
+            event: dict = {"unfiled": "skipped"}
             if self._last_step is not None:
                 num_reqs, verified, proposed, has_prompt = self._last_step
-                reason = "prompt" if has_prompt else "transition" if verified != proposed else None
-                if reason is None:
-                    arm: Arm = "spec" if verified else "plain"
+                event = {"running": num_reqs, "verified": verified, "proposed": proposed}
+                if has_prompt or verified != proposed:
+                    event["unfiled"] = "prompt" if has_prompt else "transition"
+                else:
+                    event["filed"] = arm = "spec" if verified else "plain"
                     self.step_times.observe(num_reqs, arm, seconds, self._last_tokens)
             if self.trace is not None:  # every step: those not filed too, with why (a later estimator's data)
-                event = {"filed": arm} if reason is None else {"unfiled": reason}
-                if self._last_step is not None:
-                    event["running"], event["verified"], event["proposed"] = self._last_step[:3]
                 event |= {"ms": round(1e3 * seconds, 3), "gc_ms": round(1e3 * (in_gc - self._gc_at_start), 3),
                           "tokens": self._last_tokens}
                 self.trace.append(event)

@@ -436,7 +436,7 @@ class LLMEngine:
                 spec.keep(seq, row.next_drafts, row.next_confidences,
                           result.draft_row[i] if result.proposed_q else -1)
             elif seq.spec.draft_ids:
-                seq.spec.draft_ids, seq.spec.confidences, seq.spec.draft_row = [], None, -1
+                spec.keep(seq, [], None, -1)
             if seq.grammar is None and seq.params.max_tokens > 0:
                 new = append_tokens(seq, row.token_ids, now)
                 num_new += len(new)
