@@ -276,8 +276,9 @@ def release(device) -> None:
 
 
 def summarize_trace(events: list[dict]) -> str:
-    """One line: decisions per arm (probes apart), steps filed per arm with their mean ms and tokens, and the steps
-    not filed by why (`VerificationBudget.step_boundary`)."""
+    """One line: decisions per arm (probes apart), steps filed per arm with their mean ms and tokens, steps that
+    carried joining requests per arm (their ms and chunks), and the steps not filed by why
+    (`VerificationBudget.step_boundary`)."""
     from collections import Counter
 
     decided = Counter(("probe " if e["probe"] else "") + e["decided"] for e in events if "decided" in e)
@@ -289,6 +290,11 @@ def summarize_trace(events: list[dict]) -> str:
             toks = [e["tokens"] for e in filed if e["tokens"] is not None]
             parts.append(f"filed {arm} {len(filed)} x {ms:.2f} ms"
                          + (f", {sum(toks) / len(toks):.1f} tokens" if toks else ""))
+        joined = [e for e in events if e.get("joined") == arm]
+        if joined:
+            chunks = sum(e["chunks"] for e in joined)
+            parts.append(f"joined {arm} {len(joined)} x {sum(e['ms'] for e in joined) / len(joined):.2f} ms, "
+                         f"{chunks / len(joined):.1f} chunks")
     unfiled = Counter(e["unfiled"] for e in events if "unfiled" in e)
     if unfiled:
         ms = sum(e["ms"] for e in events if "unfiled" in e)

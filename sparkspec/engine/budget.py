@@ -28,9 +28,11 @@ run eagerly instead of as a CUDA graph (the eager drafter is many small launches
 adaptive ran at 0.45x plain decoding.
 So the regime decision ("propose and verify drafts" = arm `spec`, or "plain decoding" = arm `plain`) reads the
 wall time the engine actually sees: `StepTimes` keeps, per request-count bucket and arm, the (trimmed) mean of the
-last intervals between the starts of consecutive steps (everything the engine and its caller do per step; steps
-that carry a prompt chunk are not filed, since the chunk costs both arms the same: `note_step`), and
-    Theta_arm = produced tokens / seconds over the arm's samples (the engine tells each step's tokens),
+last intervals between the starts of consecutive steps (everything the engine and its caller do per step) without
+a prompt chunk; `JoinCosts` keeps what the steps with one cost each arm over that, per chunk, and the chunks per
+produced token (requests joining: `note_step`), and
+    Theta_arm = 1 / (seconds / produced token over the arm's samples + seconds per chunk x chunks per token)
+(the engine tells each step's tokens),
 else Theta_plain = R / T_plain(R), Theta_spec = tau_spec(R) / T_spec(R) with tau_spec from the online acceptance
 estimate (R (1 + sum_j a_j) on padded steps). The choice is the argmax. The engine buckets steps by the requests
 it runs, not by those a step schedules: under the token budget a drafting step (1 + k rows per request) may
@@ -259,8 +261,8 @@ class StepTimes:
     steps carried a prompt and `execute` averaged 10.8 ms against ~2 ms for a graph step (so ~45 ms per eager
     step). The median of the spec arm was its graph step, so drafting looked 2x ahead of plain
     decoding while it ran at 0.45x. Dropping the one largest sample still absorbs a single JIT compile or GC
-    pause (a recurring cost has more samples in the window than the one dropped). Steps whose prompt chunks
-    outweigh their decode rows are not filed at all (`VerificationBudget.note_step`).
+    pause (a recurring cost has more samples in the window than the one dropped). Steps that carry prompt chunks
+    are filed apart (`JoinCosts`, `VerificationBudget.note_step`).
 
     64 samples, not 16: requests of one length that started together end together, and the steps around their
     ends (rows left out while their last token is in flight, the read of the last step with nothing scheduled)
@@ -320,6 +322,55 @@ class StepTimes:
         return value
 
 
+class JoinCosts:
+    """What requests joining cost each arm: per (request-count bucket, arm), the seconds the last `window` steps
+    that carried prompt chunks took over the arm's step without one (`StepTimes.seconds` when filed), per chunk;
+    and, over both arms, the chunks per produced token of the last `rate_window` steps (one per request for
+    prompts that fit one step: 1 / the mean output length).
+
+    Why a term of its own: a joining request costs the arms differently, and how often one joins depends on the arm.
+    On the H200 demo pair at c = 16 (output 64), a DSpark step that carried a prompt took 4.5 ms against 2.9 ms
+    without (its prompt part is a second graph, with the drafter), a plain one 1.5 against 1.3 ms. Plain decoding
+    of one length in lockstep takes all 16 prompts in one step every 64 steps; drafting desynchronises the batch,
+    and a request joins on a third of its steps. The arm's steps without a prompt, where drafting was probed,
+    read 14-15 k tok/s for drafting and 12-13 k for plain decoding, while they ran at 10.8-11.5 k and 12.9-14.0 k.
+    So `VerificationBudget` compares tokens per second with this cost spread over the tokens:
+        Theta_arm = 1 / (1 / Theta_arm without joins + cost per chunk_arm * chunks per token)."""
+
+    def __init__(self, window: int = 32, rate_window: int = 512):
+        self.window = window
+        self.extra: dict[tuple[int, Arm], deque[tuple[float, int]]] = {}
+        self._per_chunk: dict[tuple[int, Arm], float | None] = {}
+        self.rates: deque[tuple[int, int]] = deque(maxlen=rate_window)  # (chunks, tokens) per step
+        self._chunks = self._tokens = 0  # sums over `rates`
+
+    def observe(self, num_reqs: int, arm: Arm, extra_seconds: float, num_chunks: int) -> None:
+        key = (bucket_of(num_reqs), arm)
+        self.extra.setdefault(key, deque(maxlen=self.window)).append((extra_seconds, num_chunks))
+        self._per_chunk.pop(key, None)
+
+    def per_chunk(self, num_reqs: int, arm: Arm) -> float | None:
+        """Extra seconds per chunk in the arm's steps that carried one (>= 0; None: none seen in the bucket)."""
+        key = (bucket_of(num_reqs), arm)
+        if key not in self._per_chunk:
+            d = self.extra.get(key)
+            self._per_chunk[key] = None if not d else max(
+                0.0, math.fsum(e for e, _ in d) / max(sum(n for _, n in d), 1))
+        return self._per_chunk[key]
+
+    def note_rate(self, num_chunks: int, num_tokens: int) -> None:
+        if len(self.rates) == self.rates.maxlen:
+            old_chunks, old_tokens = self.rates[0]
+            self._chunks -= old_chunks
+            self._tokens -= old_tokens
+        self.rates.append((num_chunks, num_tokens))
+        self._chunks += num_chunks
+        self._tokens += num_tokens
+
+    def chunks_per_token(self) -> float:
+        return self._chunks / self._tokens if self._tokens else 0.0
+
+
 @dataclass
 class _Probe:
     """Per bucket: decisions made, when the last probe started, how many ran, the one in progress (its arm and
@@ -366,6 +417,7 @@ class VerificationBudget:
         self.padded = padded
         self.estimator = AcceptanceEstimator(max(num_spec_tokens, 1))
         self.step_times = StepTimes()
+        self.join_costs = JoinCosts()
         self.clock = clock
         # time in the garbage collector, left out of the filed steps (None: a test's clock, nothing left out)
         self.gc_clock = gc_clock if gc_clock is not None else GCClock.shared() if clock is time.perf_counter else None
@@ -382,8 +434,8 @@ class VerificationBudget:
         # 1.25-1.4 ms in long plain stretches, and the budget drafted at 0.53x plain decoding's speed.
         self.plain_probe_len = probe_len + plain_probe_extra
         # where both arms are measured, drafting is chosen only if its tokens per second lead plain decoding's by this
-        # factor. Its samples leave out what drafting also costs: the transitions into and out of it, and steps with a
-        # prompt chunk, where verify rows take the token budget from the chunk (not filed for either arm). On the
+        # factor. Its samples leave out what drafting also costs: the transitions into and out of it, and waves of
+        # prompts, where verify rows take the token budget from the chunks (not filed for either arm). On the
         # H200 demo pair at c = 256 the arms measured 47.9 k and 48.3 k tok/s, the budget drafted on the noise, and
         # the level ran at 0.70x plain decoding. A near-tie so decided costs at most this margin (5 %: the issue's
         # bound) where drafting truly leads by less.
@@ -399,56 +451,75 @@ class VerificationBudget:
         self._last_step: tuple[int, bool, bool, bool] | None = None  # (bucket requests, verified any, proposed
         # any, carried a prompt chunk)
         self._last_tokens: int | None = None  # tokens the step in progress produced (`note_tokens`)
+        self._last_prompt_tokens = 0  # prompt (or recompute) chunk tokens the step in progress carried
+        self._last_chunks = 0  # and their chunks (requests joining, or a long prompt's next part)
+        self._last_decode = 0  # and its decode rows
         # a list to append every decision and every filed step to (`bench offline --trace-budget`); None: off
         self.trace: list[dict] | None = None
 
     # ---- whole-step wall time ----
     def step_boundary(self) -> None:
         """A step starts: the interval since the previous start, less the time the garbage collector took in it
-        (`GCClock`), is that step's wall time, filed under its arm
-        (steps that verified and proposed drafts: spec; neither: plain; a transition between them, or a step that
-        carried a prompt chunk: not filed)."""
+        (`GCClock`), is that step's wall time, filed under its arm (steps that verified and proposed drafts: spec;
+        neither: plain; a transition between them: not filed): with `StepTimes` where it carried no prompt chunk,
+        else with `JoinCosts`, as its seconds over the arm's step without one. Every step's chunks and tokens go to
+        `JoinCosts`' rate."""
         now = self.clock()
         in_gc = self.gc_clock.seconds if self.gc_clock is not None else 0.0
         if self._step_start is not None:
             seconds = now - self._step_start - (in_gc - self._gc_at_start)  # (`GCClock`)
             event: dict = {"unfiled": "skipped"}
+            chunks = self._last_chunks
             if self._last_step is not None:
                 num_reqs, verified, proposed, has_prompt = self._last_step
-                event = {"running": num_reqs, "verified": verified, "proposed": proposed}
-                if has_prompt or verified != proposed:
-                    event["unfiled"] = "prompt" if has_prompt else "transition"
+                event = {"running": num_reqs, "verified": verified, "proposed": proposed,
+                         "prompt_tokens": self._last_prompt_tokens, "chunks": chunks}
+                arm: Arm = "spec" if verified else "plain"
+                if verified != proposed:
+                    event["unfiled"] = "transition"
+                elif chunks:
+                    free = self.step_times.seconds(num_reqs, arm)
+                    if free is None or chunks > max(1, self._last_decode // 4):
+                        event["unfiled"] = "prompt"  # a wave of prompts, or nothing to measure them against yet
+                    else:
+                        event["joined"] = arm
+                        self.join_costs.observe(num_reqs, arm, seconds - free, chunks)
+                elif has_prompt:
+                    event["unfiled"] = "prompt"
                 else:
-                    event["filed"] = arm = "spec" if verified else "plain"
+                    event["filed"] = arm
                     self.step_times.observe(num_reqs, arm, seconds, self._last_tokens)
+            if self._last_tokens is not None and 0.0 < seconds <= self.step_times.max_seconds:
+                self.join_costs.note_rate(chunks, self._last_tokens)
             if self.trace is not None:  # every step: those not filed too, with why (a later estimator's data)
                 event |= {"ms": round(1e3 * seconds, 3), "gc_ms": round(1e3 * (in_gc - self._gc_at_start), 3),
                           "tokens": self._last_tokens}
                 self.trace.append(event)
         self._step_start, self._last_step, self._last_tokens, self._gc_at_start = now, None, None, in_gc
+        self._last_chunks = 0
 
-    def note_step(self, num_reqs: int, num_verified: int, num_proposed: int, has_prompt: bool = False) -> None:
+    def note_step(self, num_reqs: int, num_verified: int, num_proposed: int, has_prompt: bool = False,
+                  prompt_tokens: int = 0, num_chunks: int = 0, num_decode: int = 0) -> None:
         """What the step that `step_boundary` opened does: its bucket's request count (the requests the engine
         runs, or those that sample), drafts verified, drafts to propose, and whether it is a prompt's step: the
         engine says so where its prompt chunks hold more tokens than it has decode rows (`SpecPolicy`).
 
-        A few short chunks beside many decode rows are filed: with output lengths that vary, as real traffic's do,
-        a request joins on most steps at c = 256, and such steps are the arm's cost. Plain decoding pays there what
-        its other steps hide (a step with a prompt chunk waited in turn before such steps were launched ahead too,
-        and still costs its prefill). Before this, on the H200 demo pair at
-        c = 256 with lengths drawn from [32, 96], 79 % of the steps carried a chunk (8 % were filed in all); the plain
-        arm's few filed steps were its launched ones (40 k tok/s) and the budget decoded plainly, while drafting at
-        fixed k ran 15 % faster than plain decoding.
+        `prompt_tokens` and `num_chunks`: the step's prompt (or recompute) chunks, beside `num_decode` decode rows.
+        A step that carries chunks is filed with `JoinCosts` (what it took over the arm's step without one, per
+        chunk), unless its chunks are a wave (more than a quarter of its decode rows, and more than one): all of a
+        level's requests arriving at once, or, with one output length in lockstep, all of them ending at once. A
+        wave's steps are mostly prefill, and their cost per chunk is not what a request joining a running batch
+        costs (steps with many chunks share one prefill graph); filed, they did harm: at a level's start the arm
+        not chosen keeps the few samples its first probe took there (on the H200 demo pair at c = 256, plain
+        decoding held 47.7, 15.1 and 5.9 ms steps, measured at 10.7 k tok/s against drafting's 27 k, and was not
+        chosen again in the level).
 
-        Prompt steps are not filed under either arm. The arms differ only in their decode rows: a
-        chunk costs the same under both (its prefill graph, or its rows of the eager forward, plus the drafter's
-        context rows, which are written on every step), so such a step says nothing about which arm is faster,
-        and its wall time is mostly the prefill. Filed, it did harm: at a level's start every step is a prefill
-        burst, and the arm not chosen keeps the few samples its first probe took there. On the H200 demo pair at
-        c = 256 the plain arm held 47.7, 15.1 and 5.9 ms (two prefill-heavy steps, one decode step) against ~25 ms
-        for a drafting step of ~700 tokens, so plain decoding (256 tokens / 5.9 ms) measured at 10.7 k tok/s
-        against drafting's 27 k and was never chosen again in the level."""
+        Steps that carry chunks used to be filed with the arm's other steps where the chunks held no more tokens
+        than the step had decode rows, and not at all otherwise. Both hid what joining costs drafting: with
+        prompts of 130 tokens beside 16 decode rows none was filed, and where a drafting probe ran between the
+        joins of a batch in lockstep, none was seen (`JoinCosts` says what that cost at c = 16 on the H200)."""
         self._last_step = (num_reqs, num_verified > 0, num_proposed > 0, has_prompt)
+        self._last_prompt_tokens, self._last_chunks, self._last_decode = prompt_tokens, num_chunks, num_decode
 
     def skip_step(self) -> None:
         """The step in progress is not filed. Async scheduling launches the first step of a plain stretch and
@@ -526,13 +597,30 @@ class VerificationBudget:
         k_spec = self.num_spec_tokens if self.padded else max(k, 1)
         key = num_reqs if num_running is None else num_running
         if self.measured(key):
-            rates = {arm: self.step_times.throughput(key, arm) for arm in ARMS}
+            rates = {arm: self.measured_theta(key, arm) for arm in ARMS}
             if all(r is not None for r in rates.values()):  # produced tokens per second, as measured
                 return {"plain": rates["plain"], "spec": rates["spec"] if k else 0.0}, k_spec
             spec_s, plain_s = self.step_times.seconds(key, "spec"), self.step_times.seconds(key, "plain")
         theta: dict[Arm, float] = {"plain": num_reqs / max(plain_s, 1e-9),
                                    "spec": tau / max(spec_s, 1e-9) if k else 0.0}
         return theta, k_spec
+
+    def measured_theta(self, num_reqs: int, arm: Arm) -> float | None:
+        """The arm's produced tokens per second in `num_reqs`' bucket, joining requests included (`JoinCosts`):
+        1 / (seconds per token of its steps without a prompt chunk + its seconds per chunk x chunks per token).
+        An arm not yet seen with a request joining is charged the other arm's cost per chunk, scaled by their
+        steps' seconds (a prompt runs as a part of the arm's step: with the drafter where it drafts). None: no
+        tokens known."""
+        rate = self.step_times.throughput(num_reqs, arm)
+        if rate is None:
+            return None
+        cost = self.join_costs.per_chunk(num_reqs, arm)
+        if cost is None:
+            other: Arm = "plain" if arm == "spec" else "spec"
+            cost = self.join_costs.per_chunk(num_reqs, other)
+            mine, theirs = self.step_times.seconds(num_reqs, arm), self.step_times.seconds(num_reqs, other)
+            cost = 0.0 if cost is None or mine is None or not theirs else cost * mine / theirs
+        return 1.0 / (1.0 / max(rate, 1e-9) + cost * self.join_costs.chunks_per_token())
 
     def plan_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
         """The modelled choice, no probes, no state: k if the spec arm's Theta beats plain decoding, else 0
@@ -633,7 +721,7 @@ class VerificationBudget:
         for b in range(bucket_of(num_reqs) - 1, -1, -1):
             r = 2**b
             if self.measured(r):
-                plain, spec = self.step_times.throughput(r, "plain"), self.step_times.throughput(r, "spec")
+                plain, spec = self.measured_theta(r, "plain"), self.measured_theta(r, "spec")
                 return plain is not None and spec is not None and plain > spec
         return False
 

@@ -103,7 +103,8 @@ class SpecPolicy:
         has_prompt = prompt_tokens > num_decode
         key = num_sampling if num_running is None else max(num_running, 1)
         k = self.budget.next_num_drafts(num_sampling, num_sampling, key, has_prompt) if num_sampling else 0
-        self.budget.note_step(key, self._num_verified, k, has_prompt)
+        num_chunks = len(items) - num_decode  # prompt (or recompute) chunks: requests joining
+        self.budget.note_step(key, self._num_verified, k, has_prompt, prompt_tokens, num_chunks, num_decode)
         if num_sampling and k == 0 and stats is not None:
             stats.num_drafter_skipped_steps += 1
         return k

@@ -58,6 +58,11 @@ def _host_ints(part, shape: tuple[int, ...]) -> list:
     return np.asarray(part, dtype=np.float64).astype(np.int64).reshape(shape).tolist()
 
 
+def proposes_q(p: PackedStep, q_store: torch.Tensor | None) -> bool:
+    """Step `p` writes its sampled drafts' q into `q_store` rows 0..S-1 (greedy and host drafts stay one-hot)."""
+    return q_store is not None and bool(p.sampling) and bool(p.num_drafts) and p.mode != "greedy"
+
+
 def read_step(p: PackedStep, host: dict, q_store: torch.Tensor | None) -> StepResult:
     """The host copy of step `p` -> per item: accepted count, emitted tokens, next drafts, logprobs. `q_store`:
     the runner's buffer of draft distributions, which the step rewrote when it proposed sampled drafts.
@@ -76,7 +81,7 @@ def read_step(p: PackedStep, host: dict, q_store: torch.Tensor | None) -> StepRe
     conf = None
     if has_drafts and "confidences" in host:
         conf = np.asarray(host["confidences"][0], dtype=np.float64).reshape(S, k)[:, :keep].tolist()  # [S][keep]
-    proposed_q = q_store is not None and bool(k) and p.mode != "greedy"
+    proposed_q = proposes_q(p, q_store)
     draft_row = {i: r for r, i in enumerate(p.sampling)}
     if nxt is None and not p.logprob_rows:  # no drafts to keep, no logprobs: one comprehension (most steps)
         rows = {i: SampledRow(n, t[: n + 1], [], None, None, None if ok else NONFINITE_ERROR)
