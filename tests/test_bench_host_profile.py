@@ -188,7 +188,10 @@ def test_profile_host_on_the_demo(tmp_path, capsys):
         # every step is timed: filed under an arm, or not, with why (a step opens at each decision)
         unfiled = [e for e in t["events"] if "unfiled" in e]
         assert all(e["unfiled"] in ("prompt", "transition", "skipped") and e["ms"] >= 0 for e in unfiled)
-        assert len(filed) + len(unfiled) >= len(decided) - 1
+        joined = [e for e in t["events"] if "joined" in e]  # steps that carried a request joining (`JoinCosts`)
+        assert all(e["chunks"] >= 1 and e["joined"] in ("plain", "spec") for e in joined)
+        assert all(e["chunks"] == 0 for e in filed)
+        assert len(filed) + len(unfiled) + len(joined) >= len(decided) - 1
     data = json.loads(out.read_text())
     assert data["meta"]["profile_host"] is True
     rows = data["results"]

@@ -545,3 +545,37 @@ def test_joining_requests_are_charged_to_the_arm_they_slow(told_chunks):
         assert drafting < 0.15
     else:
         assert drafting > 0.5
+
+
+def test_an_arm_not_seen_joining_is_charged_the_other_arms_cost_per_chunk_scaled():
+    """Plain steps cost 1 ms for 16 tokens and 1.5 ms where a request joins; drafting steps 3 ms for 48 tokens and
+    were never seen with a request joining. Drafting is charged plain decoding's 0.5 ms per chunk times 3 (its
+    step's seconds over plain's: a prompt runs as a part of the arm's step), spread over the tokens as the chunks
+    came (one per 64 tokens here); a wave (more chunks than a quarter of the decode rows) is not a join."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, min_samples=1)
+
+    def step(verified, proposed, seconds, tokens, chunks=0):
+        budget.step_boundary()
+        budget.note_step(16, verified, proposed, chunks > 4, 20 * chunks, chunks, 16)
+        clock.now += seconds
+        budget.note_tokens(tokens)
+
+    for _ in range(8):
+        step(0, 0, 0.001, 16)
+    step(0, 0, 0.0015, 16, chunks=1)
+    step(0, 0, 0.001, 16)
+    step(0, 0, 0.009, 16, chunks=12)  # a wave: not a join
+    for _ in range(3):
+        step(0, K, 0.003, 16)  # the first is a transition
+        step(16 * K, K, 0.003, 48)
+    budget.step_boundary()
+    assert budget.join_costs.per_chunk(16, "plain") == pytest.approx(0.0005)
+    assert budget.join_costs.per_chunk(16, "spec") is None
+    tokens = 11 * 16 + 3 * 16 + 3 * 48
+    rho = budget.join_costs.chunks_per_token()
+    assert rho == pytest.approx(13 / tokens)  # every chunk counts towards the rate, the wave's too
+    spec_seconds = budget.step_times.seconds(16, "spec")
+    assert spec_seconds == pytest.approx(0.003)
+    assert budget.measured_theta(16, "spec") == pytest.approx(1 / (0.003 / 48 + 0.0015 * rho))
+    assert budget.measured_theta(16, "plain") == pytest.approx(1 / (0.001 / 16 + 0.0005 * rho))
