@@ -618,8 +618,10 @@ class VerificationBudget:
         if cost is None:
             other: Arm = "plain" if arm == "spec" else "spec"
             cost = self.join_costs.per_chunk(num_reqs, other)
-            mine, theirs = self.step_times.seconds(num_reqs, arm), self.step_times.seconds(num_reqs, other)
-            cost = 0.0 if cost is None or mine is None or not theirs else cost * mine / theirs
+            if cost is not None:  # (the step times are asked only then: a mean over the window each)
+                mine, theirs = self.step_times.seconds(num_reqs, arm), self.step_times.seconds(num_reqs, other)
+                cost = cost * mine / theirs if mine is not None and theirs else None
+        cost = cost or 0.0
         return 1.0 / (1.0 / max(rate, 1e-9) + cost * self.join_costs.chunks_per_token())
 
     def plan_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:

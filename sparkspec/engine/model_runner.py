@@ -26,9 +26,9 @@ from sparkspec.engine.cuda_graphs import GraphKey
 from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
-from sparkspec.engine.step_io import Download, PendingFetch, untag
+from sparkspec.engine.step_io import Download, PendingFetch
 from sparkspec.engine.step_plan import PREFILL_LENS, StepPlanner
-from sparkspec.engine.step_result import StepResult, proposes_q, read_step
+from sparkspec.engine.step_result import StepResult, proposes_q, read_parts, read_step
 from sparkspec.models.cache import KVCache, cache_dtype
 from sparkspec.models.deepseek_v4 import DeepseekV4Model
 from sparkspec.models.forward_batch import build_batch, to_device
@@ -75,11 +75,7 @@ class InFlightStep:
         host = self.pending.wait()
         if len(self.parts) == 1:
             return read_step(self.parts[0][1], host, self.q_store)
-        rows = {}
-        for j, (group, p) in enumerate(self.parts):  # (no part proposes drafts: no q rows to place)
-            for i, row in read_step(p, untag(host, str(j)), self.q_store).rows.items():
-                rows[group[i]] = row
-        return StepResult(rows, False, {})
+        return read_parts(self.parts, host, self.q_store)
 
 
 MODE_FLAGS = {"greedy": (True, False, False), "sample": (False, False, False), "filter": (False, True, True)}
@@ -242,19 +238,7 @@ class ModelRunner:
             num_sampled += len(p.sampling)
         for start, q in saved:
             self.q_store[start : start + q.shape[0]].copy_(q)
-        host = down.fetch()
-        rows, draft_row, prompt_lps = {}, {}, {}
-        num_sampled = 0
-        for j, (group, p) in enumerate(parts):
-            res = read_step(p, untag(host, str(j)), self.q_store)
-            for i, row in res.rows.items():
-                rows[group[i]] = row
-            for i, lps in res.prompt_logprobs.items():
-                prompt_lps[group[i]] = lps
-            for r, i in enumerate(p.sampling):  # the merged row (no q: one-hot, greedy drafts)
-                draft_row[group[i]] = num_sampled + r if res.proposed_q else -1
-            num_sampled += len(p.sampling)
-        return StepResult(rows, bool(saved), draft_row, prompt_lps)
+        return read_parts(parts, down.fetch(), self.q_store)
 
     def execute_one(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
                     num_next_drafts: int,
@@ -383,13 +367,8 @@ class ModelRunner:
             self.proposer.observe(StepRows(batch, out, dev["next_ids"], empty, empty, empty, empty, None))
 
     @staticmethod
-    def fetch(down: Download, res: DecodeOutput, S: int) -> dict:
-        """The one copy back of a sampling step (rows past S are a graph's dummy requests)."""
-        ModelRunner.add_fetch(down, res, S)
-        return down.fetch()
-
-    @staticmethod
     def add_fetch(down: Download, res: DecodeOutput, S: int) -> None:
+        """A sampling step's results, added to its copy back (rows past S are a graph's dummy requests)."""
         down.add("accepted", res.num_accepted[:S])
         down.add("tokens", res.tokens[:S])
         down.add("finite", res.is_finite[:S])

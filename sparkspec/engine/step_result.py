@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from sparkspec.engine.step_io import untag
+
 if TYPE_CHECKING:
     from sparkspec.engine.packed_step import PackedStep
     from sparkspec.engine.scheduler import ScheduledSeq
@@ -98,6 +100,25 @@ def read_step(p: PackedStep, host: dict, q_store: torch.Tensor | None) -> StepRe
         rows[i] = SampledRow(L[r], emitted, nxt[r] if nxt is not None else [], conf[r] if conf is not None else None,
                              lps, None if finite[r] else NONFINITE_ERROR)
     return StepResult(rows, proposed_q, draft_row, prompt)
+
+
+def read_parts(parts: list[tuple[list[int], PackedStep]], host: dict, q_store: torch.Tensor | None) -> StepResult:
+    """A step run as parts (`ModelRunner.execute_split`, `ModelRunner.launch`), from its one copy back (each part's
+    pieces under its index: `step_io.Download.absorb`) -> one result over the whole step's items. A part that
+    proposed sampled drafts has its q rows at its requests' places among the whole step's sampling requests (parts
+    in order), where `execute_split` laid them out; the others' drafts are one-hot (-1)."""
+    rows, draft_row, prompt_lps, any_q, start = {}, {}, {}, False, 0
+    for j, (group, p) in enumerate(parts):
+        res = read_step(p, untag(host, str(j)), q_store)
+        for i, row in res.rows.items():
+            rows[group[i]] = row
+        for i, lps in res.prompt_logprobs.items():
+            prompt_lps[group[i]] = lps
+        for r, i in enumerate(p.sampling):
+            draft_row[group[i]] = start + r if res.proposed_q else -1
+        any_q |= res.proposed_q
+        start += len(p.sampling)
+    return StepResult(rows, any_q, draft_row, prompt_lps)
 
 
 def read_prompt_logprobs(pieces: list[list[float]], items: list[ScheduledSeq],
