@@ -92,7 +92,9 @@ def test_split_steps_equal_unsplit_steps(method, kind, budget):
         assert (lps is None) == (ref is None)
         for d, e in zip(lps or [], ref or []):
             assert list(d) == list(e) and list(d.values()) == pytest.approx(list(e.values()), abs=1e-4)
-    assert len(splits) >= 3, "requests joining a running batch split their steps"
+    mixed = eng.runner.num_mixed_steps
+    print(method, kind, budget, "split", len(splits), "mixed", mixed)
+    assert len(splits) + mixed >= 3, "requests joining a running batch split their steps or ran as mixed graphs"
     if method != "none":
         assert eng.stats.num_spec_steps > 0
 

@@ -26,6 +26,14 @@ arrays; prefills from `pack`'s lists: both lay it out the same way). Prefill gra
 `prefill_rows` (the step's token budget); more prompts than one graph holds run as several (`prefill_groups`),
 and the scheduler does not split a prompt that one graph holds (`SchedulerConfig.unsplit_prompt_len`). Chunks
 that do not sample, prompts longer than the longest prefill length, and steps that return logprobs run eagerly.
+
+Mixed graphs: requests join a running batch on most steps of a busy server, and a step of decode rows plus a
+joining prompt used to replay two graphs (the decode graph, then a prefill graph), each a full pass over the
+model's kernels. A mixed key adds, after the R·q decode / verify rows, `prompt_rows` rows shared by
+`MIXED_PROMPTS` prompt slots (`prompt_slot_rows`: back to back, ragged; the model reads rows, positions and
+request ids, never a fixed query length), so that such a step replays one graph; the head runs on the sampled
+rows only (`GraphKey.gathered`). The packer orders the sampling requests real ones first (decode, then prompts)
+and dummies last, so a step's outputs read as any other's.
 """
 
 from __future__ import annotations
@@ -47,12 +55,43 @@ log = logging.getLogger("sparkspec.engine")
 SAMPLING_MODES = ("greedy", "sample", "filter")
 
 
+# prompt slots of a mixed graph (`GraphKey.num_prompts`): on the H200 demo pair at c = 64 with output lengths that
+# vary, half the steps carried a joining prompt, and 1-3 of them most of the time
+MIXED_PROMPTS = 4
+
+
 class GraphKey(NamedTuple):
-    num_reqs: int  # R, a captured batch size
+    num_reqs: int  # R, a captured batch size (of decode / verify requests in a mixed graph)
     q: int  # rows per request
     mode: str  # one of SAMPLING_MODES
     num_drafts: int  # drafts proposed at the end of the step (0 = the drafter does not run)
     draft_cols: int  # K, drafts a request may verify: q - 1 for decode / verify rows, 0 for a prefill
+    prompt_rows: int = 0  # Tp: a mixed graph's prompt rows after the R·q decode rows (0: not mixed)
+    num_prompts: int = 0  # P: its prompt slots, which share those rows (`prompt_slot_rows`)
+
+    @property
+    def num_sampling(self) -> int:
+        """Requests that sample: R, and a mixed graph's P prompt slots."""
+        return self.num_reqs + self.num_prompts
+
+    @property
+    def gathered(self) -> bool:
+        """The head runs on the sampled rows only (prefill and mixed graphs), not on every row."""
+        return self.q > self.draft_cols + 1 or self.num_prompts > 0
+
+
+def prompt_slot_rows(key: GraphKey, lengths: list[int]) -> list[int]:
+    """Rows of each prompt slot of mixed graph `key` holding prompt chunks of `lengths` tokens (then dummies): each
+    chunk its own rows, a dummy one row, and the last slot every row left over (its rows past a real chunk's end
+    are padding, written past the request's length as a verify step's rejected rows are)."""
+    rows = list(lengths) + [1] * (key.num_prompts - len(lengths))
+    rows[-1] += key.prompt_rows - sum(rows)
+    return rows
+
+
+def request_rows(key: GraphKey, lengths: list[int] = ()) -> list[int]:
+    """Rows of every request of `key`'s graph, in batch order: R·[q], then the prompt slots (mixed graphs)."""
+    return [key.q] * key.num_reqs + (prompt_slot_rows(key, lengths) if key.num_prompts else [])
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -99,6 +138,9 @@ class GraphRunner:
         self.prefill_width = self.columns(max_model_len + max(self.prefill_lens, default=0))
         # q -> the request counts R captured for prefills of q rows each: R·q <= prefill_rows
         self.prefill_sizes = {q: [R for R in self.sizes if R == 1 or R * q <= prefill_rows] for q in self.prefill_lens}
+        # prompt rows of mixed graphs (decode / verify rows and joining prompts in one graph): every other prefill
+        # length from the longest down, so that a few graphs per batch size hold one to `MIXED_PROMPTS` prompts
+        self.mixed_rows = self.prefill_lens[::-2][::-1]
         self.eager = eager
         self.graphs: dict[GraphKey, StaticGraph] = {}
         self.pool = None
@@ -110,8 +152,9 @@ class GraphRunner:
         return -(-num_positions // self.cache.block_size) + 1
 
     def width_for(self, key: GraphKey) -> int:
-        """Block-table columns of `key`'s graph: decode / verify graphs `width`, prefill graphs `prefill_width`."""
-        return self.width if key.q <= max(self.query_lens) else self.prefill_width
+        """Block-table columns of `key`'s graph: decode / verify graphs `width`, prefill and mixed graphs
+        `prefill_width`."""
+        return self.width if key.q <= max(self.query_lens) and not key.num_prompts else self.prefill_width
 
     def key_for(self, num_reqs: int, num_rows: int, mode: str, num_drafts: int) -> GraphKey | None:
         """The captured key for `num_reqs` requests of at most `num_rows` rows each, if any: decode / verify
@@ -123,6 +166,26 @@ class GraphRunner:
         q = next((q for q in self.prefill_lens if q >= num_rows), None)
         R = None if q is None else next((s for s in self.prefill_sizes[q] if s >= num_reqs), None)
         return None if R is None else GraphKey(R, q, mode, num_drafts, 0)
+
+    def mixed_key_for(self, num_reqs: int, num_rows: int, mode: str, num_drafts: int, prompt_lens: list[int]
+                      ) -> GraphKey | None:
+        """The mixed graph for `num_reqs` decode / verify requests of at most `num_rows` rows each beside prompt
+        chunks of `prompt_lens` tokens that sample, if one holds them: at most `MIXED_PROMPTS` chunks, whose rows
+        (and a row for each empty slot) fit the smallest of `mixed_rows` that does."""
+        if not num_reqs or not prompt_lens or len(prompt_lens) > MIXED_PROMPTS:
+            return None
+        q = next((q for q in self.query_lens if q >= num_rows), None)
+        R = next((s for s in self.sizes if s >= num_reqs), None)
+        need = sum(prompt_lens) + MIXED_PROMPTS - len(prompt_lens)
+        rows = next((t for t in self.mixed_rows if t >= need), None)
+        if q is None or R is None or rows is None:
+            return None
+        return GraphKey(R, q, mode, num_drafts, q - 1, rows, MIXED_PROMPTS)
+
+    def mixed_keys(self, query_lens: list[tuple[int, int]], modes: tuple[str, ...]) -> list[GraphKey]:
+        """Every mixed graph of (q, drafts proposed) in `query_lens`, at every batch size and prompt-row count."""
+        return [GraphKey(R, q, mode, d, q - 1, rows, MIXED_PROMPTS) for R in self.sizes for q, d in query_lens
+                for rows in self.mixed_rows for mode in modes]
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(R, q) of every prefill graph."""
@@ -142,7 +205,8 @@ class GraphRunner:
 
     def pack(self, key: GraphKey, ids: list[list[int]], block_tables: list[list[int]], starts: list[int]
              ) -> list[int]:
-        """Host integers of a padded batch: request r has ids[r] (its pending token and drafts) at starts[r]."""
+        """Host integers of a padded batch: request r has ids[r] (its pending token and drafts) at starts[r]
+        (decode, verify and prefill graphs: a mixed one is packed by `InputBatch.pack_mixed`)."""
         R, q = key.num_reqs, key.q
         n = len(ids)
         flat_ids = [t for row in ids for t in row + [0] * (q - len(row))] + [0] * ((R - n) * q)
@@ -154,9 +218,10 @@ class GraphRunner:
     def static(self, key: GraphKey) -> StaticGraph:
         g = self.graphs.get(key)
         if g is None:
-            R, q = key.num_reqs, key.q
+            rows = request_rows(key)
+            n = len(rows)
             width = self.width_for(key)
-            parts = batch_parts(self.cache, [0] * (R * q), [[]] * R, [0] * R, [q] * R, None, self.ratios, width,
+            parts = batch_parts(self.cache, [0] * sum(rows), [[]] * n, [0] * n, rows, None, self.ratios, width,
                                 emit_every_row=True)
             up = self.dummy_upload(key)
             flat = torch.tensor([x for p in parts for x in p] + up.flat(), dtype=torch.long, device=self.cache.device)
@@ -176,9 +241,9 @@ class GraphRunner:
         torch.cuda.synchronize(self.cache.device)
         self.capture_seconds += time.perf_counter() - t0
         self.graph_bytes += max(free_before - torch.cuda.mem_get_info(self.cache.device)[0], 0)
-        log.info("captured %d CUDA graphs (R in %s, q in %s; prefills: q in %s, R·q <= %d) in %.1f s, %.0f MiB",
-                 len(self.graphs), self.sizes, self.query_lens, self.prefill_lens,
-                 max((R * q for R, q in self.prefill_shapes()), default=0), self.capture_seconds,
+        log.info("captured %d CUDA graphs (R in %s, q in %s; prefills: q in %s, R·q <= %d; mixed: prompt rows in %s)"
+                 " in %.1f s, %.0f MiB", len(self.graphs), self.sizes, self.query_lens, self.prefill_lens,
+                 max((R * q for R, q in self.prefill_shapes()), default=0), self.mixed_rows, self.capture_seconds,
                  self.graph_bytes / 2**20)
 
     @torch.inference_mode()
@@ -198,6 +263,11 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             g.output = self.step(key, g.batch, g.parts)
         g.graph, g.memo_keys = graph, set(g.batch._memo)
+
+    def ready(self, key: GraphKey) -> bool:
+        """`key` runs now without a capture first (captured at start-up or since, or every step runs eagerly)."""
+        g = self.graphs.get(key)
+        return self.eager or (g is not None and g.graph is not None)
 
     # ---- replay ----
     def run(self, key: GraphKey, flat_step: torch.Tensor):

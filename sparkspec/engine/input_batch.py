@@ -146,6 +146,18 @@ class InputBatch:
                                           np.arange(R * q, dtype=np.int64), np.arange(q, dtype=np.int64))
         return got
 
+    def decode_lengths(self, seqs: list) -> np.ndarray | None:
+        """-> [n] the cached length of each decode row's request, or None where one is a chunk that does not reach
+        the end of its request (it does not sample)."""
+        num_cached = np.asarray([s.num_cached_tokens for s in seqs], dtype=np.int64)  # [n]
+        num_tokens = np.asarray([len(s.prompt_ids) + len(s.output_ids) + s.num_inflight for s in seqs],
+                                dtype=np.int64)  # (a token in flight is the pending one: read on the device)
+        return None if (num_cached + 1 != num_tokens).any() else num_cached
+
+    def mode_of(self, slots: np.ndarray) -> str:
+        """The sampling mode of the requests at `slots` (`step_plan.sampling_mode`)."""
+        return "greedy" if self.is_greedy[slots].all() else "filter" if self.is_filtered[slots].any() else "sample"
+
     def pack_decode(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
                     num_next_drafts: int, key_for: KeyFn) -> PackedStep | None:
         """The PackedStep of a graph step where every item is a decode / verify row (its pending token, then its
@@ -155,27 +167,39 @@ class InputBatch:
         if not n or [it.num_tokens for it in items].count(1) != n:  # (a list: cheaper than a generator)
             return None
         seqs = [it.seq for it in items]
-        num_cached = np.asarray([s.num_cached_tokens for s in seqs], dtype=np.int64)  # [n]
-        num_tokens = np.asarray([len(s.prompt_ids) + len(s.output_ids) + s.num_inflight for s in seqs],
-                                dtype=np.int64)  # (a token in flight is the pending one: read on the device)
-        if (num_cached + 1 != num_tokens).any():  # a chunk that does not reach the end: it does not sample
+        num_cached = self.decode_lengths(seqs)
+        if num_cached is None:
             return None
         slots = self.slots_for(seqs)
         if self.wants_logprobs[slots].any():
             return None
         num_drafts = np.fromiter(map(len, drafts), np.int64, n)  # [n]
-        most = int(num_drafts.max())
-        mode = "greedy" if self.is_greedy[slots].all() else "filter" if self.is_filtered[slots].any() else "sample"
         keep = num_next_drafts if self.device_drafts else 0
-        key = key_for(n, 1 + most, mode, self.device_drafts if keep else 0)
+        key = key_for(n, 1 + int(num_drafts.max()), self.mode_of(slots), self.device_drafts if keep else 0)
         if key is None or key.q != key.draft_cols + 1 or not self.sync_tables(items, slots):
             return None
+        head, per_req, next_ids = self.decode_region(seqs, slots, num_cached, drafts, num_drafts, draft_rows, key,
+                                                     self.width)
+        p = PackedStep(items, drafts, sampling=list(range(n)), K=key.draft_cols, mode=key.mode,
+                       num_drafts=key.num_drafts, keep_drafts=keep, key=key)
+        p.flat = np.concatenate([*head, *(a.ravel() for a in per_req[:-1]), next_ids, per_req[-1]])
+        p.slots = slots
+        return p
+
+    def decode_region(self, seqs: list, slots: np.ndarray, num_cached: np.ndarray, drafts: list[list[int]],
+                      num_drafts: np.ndarray, draft_rows: list[int], key: GraphKey, width: int
+                      ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        """The arrays of `key`'s R decode / verify requests (n real, then dummies), block tables `width` wide ->
+        (the batch head: ids, positions, request rows, cu_seqlens_q, seq_lens, tables, emit rows per ratio; the
+        per-request parts of `StepPlanner.add_request_parts` but next_ids, in its order, first dimension R; next_ids
+        per row). Tables must be synced (`sync_tables`)."""
+        n = len(seqs)
         R, q, K = key.num_reqs, key.q, key.draft_cols
         req_idx, cu, first, reqs, row_ids, col_ids = self.shape_parts(R, q)
         pending = np.asarray([(s.output_ids or s.prompt_ids)[-1] for s in seqs], dtype=np.int64)  # all_ids[-1]
 
         draft_ids = np.full((R, K), -1, np.int64)  # [R, K] -1 past each request's drafts
-        if most:
+        if K and num_drafts.any():
             has = col_ids[None, :K] < num_drafts[:, None]  # [n, K]
             draft_ids[:n][has] = np.fromiter(itertools.chain.from_iterable(drafts), np.int64, int(num_drafts.sum()))
         ids = np.zeros((R, q), np.int64)  # [R, q] pending token, drafts, 0 pads (dummies: 0)
@@ -184,8 +208,8 @@ class InputBatch:
         starts = np.zeros(R, np.int64)  # [R] dummies start at 0
         starts[:n] = num_cached
         positions = (starts[:, None] + col_ids).ravel()  # [T]
-        tables = np.full((R, self.width), self.scratch, np.int64)  # [R, W] dummies: only the scratch block
-        tables[:n] = self.block_tables[slots]
+        tables = np.full((R, width), self.scratch, np.int64)  # [R, W] dummies: only the scratch block
+        tables[:n, : self.width] = self.block_tables[slots]
         emits = [np.where((positions + 1) % ratio == 0, row_ids, -1) for ratio in self.ratios]
 
         lens = np.zeros(R, np.int64)
@@ -202,12 +226,7 @@ class InputBatch:
         temperature = per_req(self.temperature[slots], 0.0, np.float64).view(np.int64)
         top_p = per_req(self.top_p[slots], 1.0, np.float64).view(np.int64)
         next_ids = np.zeros(R * q if self.needs_next_ids else 0, np.int64)  # decode rows: nothing known after
-        flat = np.concatenate([
-            ids.ravel(), positions, req_idx, cu, starts + q, tables.ravel(), *emits,  # the batch (no logits rows)
-            gather.ravel(), draft_ids.ravel(), q_rows, per_req(self.top_k[slots], 0), per_req(self.seeds[slots], 0),
-            per_req(num_cached + 1, 0), reqs, first, temperature, top_p, next_ids, per_req(self.seeded[slots], 0)])
-        p = PackedStep(items, drafts, sampling=list(range(n)), K=K, mode=mode, num_drafts=key.num_drafts,
-                       keep_drafts=keep, key=key)
-        p.flat = flat
-        p.slots = slots
-        return p
+        head = [ids.ravel(), positions, req_idx, cu, starts + q, tables.ravel(), *emits]  # (no logits rows)
+        per_request = [gather, draft_ids, q_rows, per_req(self.top_k[slots], 0), per_req(self.seeds[slots], 0),
+                       per_req(num_cached + 1, 0), reqs, first, temperature, top_p, per_req(self.seeded[slots], 0)]
+        return head, per_request, next_ids

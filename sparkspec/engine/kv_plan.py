@@ -9,7 +9,7 @@ whatever it admits fits by construction. A block costs `bytes_per_block` = every
 sliding window are kept (the compressor re-pools them after a rollback); they are charged, not hidden.
 
 Besides the blocks (`overhead_bytes`): every pool's scratch block (one block more than handed out) and trash row,
-and the runner's buffers (`ModelRunner.buffers`: `q_store`, [max_num_seqs, k, V] fp32, with on-device drafts).
+and the runner's buffers (`ModelRunner.buffers`: `q_store`, [max_num_seqs + 4, k, V] fp32, with on-device drafts).
 `total_bytes` = blocks + overhead is what the engine allocates for its caches.
 
 Cache kinds per target layer and position (`bytes_per_token`, for the startup line):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from sparkspec.engine.config import DEFAULT_SAMPLING_SCHEME
-from sparkspec.engine.cuda_graphs import GraphKey
+from sparkspec.engine.cuda_graphs import MIXED_PROMPTS, GraphKey
 from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
@@ -64,6 +64,7 @@ class InFlightStep:
     parts: list[tuple[list[int], PackedStep]]
     pending: PendingFetch
     q_store: torch.Tensor | None
+    reordered: bool = False  # one part whose items are not in the step's order (a mixed graph's)
 
     @property
     def sampling(self) -> list[int]:
@@ -73,7 +74,7 @@ class InFlightStep:
     def result(self) -> StepResult:
         """Waits for the step's copy back -> what `execute` returns for it."""
         host = self.pending.wait()
-        if len(self.parts) == 1:
+        if len(self.parts) == 1 and not self.reordered:
             return read_step(self.parts[0][1], host, self.q_store)
         return read_parts(self.parts, host, self.q_store)
 
@@ -106,6 +107,7 @@ class ModelRunner:
         self.q_store: torch.Tensor | None = None
         self.graphs = None  # GraphRunner: decode / verify steps as CUDA graphs (see `cuda_graphs.py`)
         self.last_tokens: torch.Tensor | None = None  # [slots] the token each slot's last `launch` sampled
+        self.num_mixed_steps = 0  # steps run as one mixed graph (decode rows beside joining prompts)
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, num_spec_tokens: int, eager: bool = False,
                    max_num_batched_tokens: int = 0) -> None:
@@ -129,6 +131,11 @@ class ModelRunner:
         keys = [self.graphs.key_for(R, q, mode, d) for R, q in shapes for mode in ("greedy", "sample") for d in drafts]
         keys += [self.graphs.key_for(R, q, "greedy", d) for R, q in self.graphs.prefill_shapes() if R > 1
                  for d in drafts]
+        # mixed graphs (decode rows beside joining prompts) are used only once captured, never captured on first
+        # use mid-serving: plain decoding's in both sampling modes, and a drafting engine's verify-and-propose step
+        keys += self.graphs.mixed_keys([(1, 0)], ("greedy", "sample"))
+        if num_spec_tokens:
+            keys += self.graphs.mixed_keys([(1 + num_spec_tokens, drafts[-1])], ("greedy",))
         self.graphs.capture_all(keys)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
@@ -143,8 +150,8 @@ class ModelRunner:
         """What `allocate` makes besides the block pools, name -> (shape, dtype): priced by the engine's KV plan."""
         if not self.drafts_on_device:
             return {}
-        return {"q_store": ((self.max_num_seqs, self.proposer.num_spec_tokens, self.model.cfg.vocab_size),
-                            torch.float32)}
+        rows = self.max_num_seqs + MIXED_PROMPTS  # a mixed graph's sampling requests: R decode rows and its prompts
+        return {"q_store": ((rows, self.proposer.num_spec_tokens, self.model.cfg.vocab_size), torch.float32)}
 
     @torch.inference_mode()
     def execute(
@@ -171,6 +178,15 @@ class ModelRunner:
         need more than one prefill graph, runs in parts where graphs are captured (`split_mixed`): the decode /
         verify rows as their graph, then the short prompts as prefill graphs, then any other chunks eagerly."""
         if self.graphs is not None:
+            mixed = None if token_masks is not None else self.planner.pack_mixed(items, drafts, draft_rows,
+                                                                                 num_next_drafts)
+            if mixed is not None:  # decode rows and joining prompts: one graph
+                order, p = mixed
+                self.num_mixed_steps += 1
+                part, down = Download(), Download()
+                self.run_graph(p, part)
+                down.absorb(part, "0")
+                return read_parts([(order, p)], down.fetch(), self.q_store)
             groups = self.split_mixed(items, max(self.graphs.prefill_lens, default=0), self.graphs.prefill_groups)
             if groups is not None:
                 return self.execute_split(groups, items, drafts, draft_rows, num_next_drafts,
@@ -254,8 +270,7 @@ class ModelRunner:
         p = self.plan(items, drafts, draft_rows, num_next_drafts, token_masks is not None)
         down = Download()
         if p.key is not None:
-            _, res = self.graphs.run(p.key, to_device(p.flat, self.device))
-            self.add_fetch(down, res, len(p.sampling))
+            self.run_graph(p, down)
             return p, down
         batch, out, dev = self.forward(p)
         if p.prompt_items:  # prompt tokens: the model's raw distribution
@@ -273,6 +288,11 @@ class ModelRunner:
             down.add("sampled", *gather_logprobs(lp, res.tokens[lp_t].flatten(), p.num_top))
         self.add_fetch(down, res, len(p.sampling))
         return p, down
+
+    def run_graph(self, p: PackedStep, down: Download) -> None:
+        """Replays step `p`'s graph on its upload and adds its results to `down`."""
+        _, res = self.graphs.run(p.key, to_device(p.flat, self.device))
+        self.add_fetch(down, res, len(p.sampling))
 
     @torch.inference_mode()
     def launch(self, items: list[ScheduledSeq]) -> InFlightStep | None:
@@ -294,12 +314,16 @@ class ModelRunner:
         batch, n = self.planner.batch, len(items)
         if batch is None or not n:
             return None
-        groups = self.split_mixed(items, max(self.graphs.prefill_lens, default=0), self.graphs.prefill_groups)
+        none = [[] for _ in items]
+        mixed = self.planner.pack_mixed(items, none, [-1] * n, 0)
+        groups = [] if mixed is not None else self.split_mixed(items, max(self.graphs.prefill_lens, default=0),
+                                                                self.graphs.prefill_groups)
         if groups is None:
             groups = [list(range(n))]
         if len(groups) > 1:  # one call: filling a slot may free those of requests not in the call
             batch.slots_for([it.seq for it in items if it.samples])
-        plans = []
+        plans = [] if mixed is None else [mixed]
+        self.num_mixed_steps += mixed is not None
         for group in groups:
             sub = [items[i] for i in group]
             none = [[] for _ in sub]
@@ -320,21 +344,21 @@ class ModelRunner:
                 grown[: self.last_tokens.numel()] = self.last_tokens
             self.last_tokens = grown
         down = Download()
-        if len(plans) == 1:
+        if len(plans) == 1 and mixed is None:
             self.launch_part(plans[0][1], down)
         else:
             for j, (_, p) in enumerate(plans):
                 part = Download()
                 self.launch_part(p, part)
                 down.absorb(part, str(j))
-        return InFlightStep(plans, down.start(), self.q_store)
+        return InFlightStep(plans, down.start(), self.q_store, mixed is not None)
 
     def launch_part(self, p: PackedStep, down: Download) -> None:
         """Runs one part of a launched step (`launch`), hands the tokens it samples over in `last_tokens` and adds
         its results to `down`."""
         S = len(p.sampling)
         if p.slots is not None:  # decode rows, packed by the persistent batch: pending tokens filled on the device
-            n = len(p.items)
+            n = len(p.items)  # (a mixed graph's prompts follow its decode rows: none has a token in flight)
             fill = np.flatnonzero(np.fromiter((it.seq.num_inflight for it in p.items), np.int64, n))  # item = row
             L = len(p.flat)
             dev = to_device(np.concatenate([p.flat, p.slots, fill, p.slots[fill]]), self.device)
@@ -405,12 +429,12 @@ class ModelRunner:
         """The body of a captured step: forward, accept, draft (no logits kept: graph steps return no logprobs).
 
         A decode / verify graph needs logits on every row. A prefill graph samples one row per request out of its
-        R·q, so the head runs on the gathered rows only: at R·q = 32k rows and a 129k vocabulary the logits of
+        R·q (a mixed graph one per prompt, besides its decode rows), so the head runs on the gathered rows only: at R·q = 32k rows and a 129k vocabulary the logits of
         every row would be 17 GB and most of the step's FLOPs."""
-        gathered = key.q > key.draft_cols + 1
+        gathered = key.gathered
         if gathered:
             batch.logits_rows = dev["gather"]
-        res = self.decode(batch, self.model(batch, **self.capture), dev, key.num_reqs, key.draft_cols, key.mode,
+        res = self.decode(batch, self.model(batch, **self.capture), dev, key.num_sampling, key.draft_cols, key.mode,
                           key.num_drafts, gathered)
         res.logits = res.sampling = None
         return res

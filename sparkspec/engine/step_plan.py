@@ -12,7 +12,11 @@ against.
 
 from __future__ import annotations
 
-from sparkspec.engine.cuda_graphs import GraphKey, GraphRunner
+import itertools
+
+import numpy as np
+
+from sparkspec.engine.cuda_graphs import MIXED_PROMPTS, GraphKey, GraphRunner, prompt_slot_rows, request_rows
 from sparkspec.engine.input_batch import InputBatch
 from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
@@ -166,11 +170,110 @@ class StepPlanner:
         return after + [0] * (num_rows - len(after))
 
     def dummy_upload(self, key: GraphKey) -> Upload:
-        """The parts of a step of `key.num_reqs` dummy requests (the static inputs a graph is captured on)."""
+        """The parts of a step of dummy requests only (the static inputs a graph is captured on)."""
         p = PackedStep([], [])
         p.key, p.K = key, key.draft_cols
-        R, q = key.num_reqs, key.q
+        first = [0, *itertools.accumulate(request_rows(key))]
         if self.needs_next_ids:
-            p.next_host = [0] * (R * q)
-        self.add_request_parts(p, R, [i * q for i in range(R + 1)], {i: i * q for i in range(R)}, [])
+            p.next_host = [0] * first[-1]
+        n = len(first) - 1
+        self.add_request_parts(p, n, first, dict(enumerate(first[:n])), [])
         return p.upload
+
+    def pack_mixed(self, items: list[ScheduledSeq], drafts: list[list[int]], draft_rows: list[int],
+                   num_next_drafts: int) -> tuple[list[int], PackedStep] | None:
+        """A step of decode / verify rows beside prompt chunks that sample, as one mixed graph (`cuda_graphs.py`)
+        -> (the items in the plan's order: decode rows, then prompts; the plan), or None where one does not hold
+        it (no decode row or no prompt, a chunk that samples nothing, logprobs, prompt logprobs, a grammar, more
+        or longer prompts than a mixed graph takes, a key not captured yet).
+
+        The decode region comes from the persistent batch (`InputBatch.decode_region`); the prompts' rows, by
+        lists, follow it back to back, and every per-request part lists the real requests first (decode, then
+        prompts), the dummies after them, so `read_step` and the hand-over of sampled tokens read it as any
+        step. A prompt samples at its last row, which each of its K + 1 verified rows repeats (it verifies no
+        drafts)."""
+        graphs, batch = self.graphs, self.batch
+        if batch is None:
+            return None
+        decode, prompts = [], []
+        for i, it in enumerate(items):
+            if it.num_tokens == 1 and it.samples:
+                decode.append(i)
+            elif it.samples and not it.seq.num_inflight and it.seq.grammar is None \
+                    and it.seq.params.prompt_logprobs is None:
+                prompts.append(i)
+            else:
+                return None
+        if not decode or not prompts or len(prompts) > MIXED_PROMPTS:
+            return None
+        dec, pro = [items[i] for i in decode], [items[i] for i in prompts]
+        dseqs, pseqs = [it.seq for it in dec], [it.seq for it in pro]
+        num_cached = batch.decode_lengths(dseqs)
+        if num_cached is None:
+            return None
+        slots = batch.slots_for(dseqs + pseqs)  # (one call: filling a slot may free those not in the call)
+        n, m = len(dec), len(pro)
+        if batch.wants_logprobs[slots].any():
+            return None
+        ddrafts = [drafts[i] for i in decode]
+        num_drafts = np.fromiter(map(len, ddrafts), np.int64, n)
+        keep = num_next_drafts if self.device_drafts else 0
+        lengths = [it.num_tokens for it in pro]
+        key = graphs.mixed_key_for(n, 1 + int(num_drafts.max()), batch.mode_of(slots),
+                                   self.device_drafts if keep else 0, lengths)
+        if key is None or not graphs.ready(key) or not batch.sync_tables(dec, slots[:n]):
+            return None
+        width = graphs.width_for(key)
+        if any(len(s.block_ids) > width for s in pseqs):
+            return None
+        head, per_req, next_ids = batch.decode_region(dseqs, slots[:n], num_cached, ddrafts, num_drafts,
+                                                      [draft_rows[i] for i in decode], key, width)
+        phead, pper_req, pnext = self.prompt_region(pro, slots[n:], key, width, lengths)
+        flat = [np.concatenate([d, e]) for d, e in zip(head, phead)]
+        for d, e in zip(per_req, pper_req):  # real decode rows, real prompts, dummy decode rows, dummy prompts
+            flat.append(np.concatenate([d[:n], e[:m], d[n:], e[m:]]).ravel())
+        flat.insert(len(flat) - 1, np.concatenate([next_ids, pnext]))  # next_ids: per row, before the flags
+        p = PackedStep(dec + pro, ddrafts + [[] for _ in pro], sampling=list(range(n + m)), K=key.draft_cols,
+                       mode=key.mode, num_drafts=key.num_drafts, keep_drafts=keep, key=key)
+        p.flat, p.slots = np.concatenate(flat), slots
+        return decode + prompts, p
+
+    def prompt_region(self, pro: list[ScheduledSeq], slots: np.ndarray, key: GraphKey, width: int,
+                      lengths: list[int]) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        """The prompt slots of mixed graph `key` holding chunks `pro` (then dummies) -> the arrays of
+        `InputBatch.decode_region` for them: the head's, the per-request parts (first dimension P), next_ids."""
+        batch, R, P, K = self.batch, key.num_reqs, key.num_prompts, key.draft_cols
+        m, T0 = len(pro), key.num_reqs * key.q  # the region's first row
+        rows = np.asarray(prompt_slot_rows(key, lengths), np.int64)  # [P]
+        starts = np.zeros(P, np.int64)
+        starts[:m] = [it.seq.num_cached_tokens for it in pro]
+        offsets = np.concatenate([[0], np.cumsum(rows)])  # [P+1] within the region
+        slot_of_row = np.repeat(np.arange(P), rows)  # [Tp]
+        positions = starts[slot_of_row] + np.arange(key.prompt_rows) - offsets[:-1][slot_of_row]
+        ids = np.zeros(key.prompt_rows, np.int64)
+        tables = np.full((P, width), batch.scratch, np.int64)
+        for j, it in enumerate(pro):
+            nc = it.seq.num_cached_tokens
+            ids[offsets[j] : offsets[j] + it.num_tokens] = it.seq.token_ids(nc, nc + it.num_tokens)
+            tables[j, : len(it.seq.block_ids)] = it.seq.block_ids
+        row_ids = T0 + np.arange(key.prompt_rows)
+        emits = [np.where((positions + 1) % ratio == 0, row_ids, -1) for ratio in batch.ratios]
+        last = T0 + offsets[:-1] + np.minimum(rows, np.asarray(lengths + [1] * (P - m))) - 1  # [P] sampled rows
+        head = [ids, positions, R + slot_of_row, T0 + offsets[1:], starts + rows, tables.ravel(), *emits]
+
+        def per_req(values, pad, dtype=np.int64) -> np.ndarray:
+            out = np.full(P, pad, dtype)
+            out[:m] = values
+            return out
+
+        per_request = [np.repeat(last[:, None], K + 1, 1), np.full((P, K), -1, np.int64), np.full(P, -1, np.int64),
+                       per_req(batch.top_k[slots], 0), per_req(batch.seeds[slots], 0),
+                       per_req(starts[:m] + lengths, 0), R + np.arange(P), last,
+                       per_req(batch.temperature[slots], 0.0, np.float64).view(np.int64),
+                       per_req(batch.top_p[slots], 1.0, np.float64).view(np.int64), per_req(batch.seeded[slots], 0)]
+        next_ids = np.zeros(0, np.int64)
+        if self.needs_next_ids:  # the token after each row, where known (a prompt's own), then 0
+            next_ids = np.zeros(key.prompt_rows, np.int64)
+            for j, it in enumerate(pro):
+                next_ids[offsets[j] : offsets[j] + rows[j]] = self.next_tokens(it, int(rows[j]))
+        return head, per_request, next_ids
