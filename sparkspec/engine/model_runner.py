@@ -429,8 +429,8 @@ class ModelRunner:
         """The body of a captured step: forward, accept, draft (no logits kept: graph steps return no logprobs).
 
         A decode / verify graph needs logits on every row. A prefill graph samples one row per request out of its
-        R·q (a mixed graph one per prompt, besides its decode rows), so the head runs on the gathered rows only: at R·q = 32k rows and a 129k vocabulary the logits of
-        every row would be 17 GB and most of the step's FLOPs."""
+        R·q (a mixed graph one per prompt, besides its decode rows), so the head runs on the gathered rows only: at
+        R·q = 32k rows and a 129k vocabulary the logits of every row would be 17 GB and most of the step's FLOPs."""
         gathered = key.gathered
         if gathered:
             batch.logits_rows = dev["gather"]
