@@ -1,5 +1,6 @@
-"""Mixed steps split where graphs are captured (`ModelRunner.split_mixed`): decode / verify rows run as their
-graph and the joining prompt chunks as a second part of the same engine step. Requests join a closed loop one
+"""Mixed steps where graphs are captured: one mixed graph where it holds them (tests/test_mixed_graphs.py), else
+split (`ModelRunner.split_mixed`): decode / verify rows run as their graph and the joining prompt chunks as a
+second part of the same engine step. Requests join a closed loop one
 by one (as `bench offline` feeds the engine), so many steps carry a prompt chunk next to decode rows. The split
 steps (graphs built but run eagerly on the CPU) must give exactly the tokens of the dynamic, unsplit steps, and
 their logprobs up to rounding (a row's logits come from a different batch): greedy, seeded sampling (the drafts'
@@ -93,7 +94,6 @@ def test_split_steps_equal_unsplit_steps(method, kind, budget):
         for d, e in zip(lps or [], ref or []):
             assert list(d) == list(e) and list(d.values()) == pytest.approx(list(e.values()), abs=1e-4)
     mixed = eng.runner.num_mixed_steps
-    print(method, kind, budget, "split", len(splits), "mixed", mixed)
     assert len(splits) + mixed >= 3, "requests joining a running batch split their steps or ran as mixed graphs"
     if method != "none":
         assert eng.stats.num_spec_steps > 0

@@ -138,9 +138,11 @@ class GraphRunner:
         self.prefill_width = self.columns(max_model_len + max(self.prefill_lens, default=0))
         # q -> the request counts R captured for prefills of q rows each: R·q <= prefill_rows
         self.prefill_sizes = {q: [R for R in self.sizes if R == 1 or R * q <= prefill_rows] for q in self.prefill_lens}
-        # prompt rows of mixed graphs (decode / verify rows and joining prompts in one graph): every other prefill
-        # length from the longest down, so that a few graphs per batch size hold one to `MIXED_PROMPTS` prompts
-        self.mixed_rows = self.prefill_lens[::-2][::-1]
+        # prompt rows of mixed graphs (decode / verify rows and joining prompts in one graph): the longest prefill
+        # length, a half and an eighth of it, so that three graphs per batch size hold one to `MIXED_PROMPTS`
+        # prompts with at most ~4x their rows (one prompt of a typical chat turn, ~130 tokens, pads to 256)
+        longest = max(self.prefill_lens, default=0)
+        self.mixed_rows = tuple(t for t in self.prefill_lens if t in (longest // 8, longest // 2, longest))
         self.eager = eager
         self.graphs: dict[GraphKey, StaticGraph] = {}
         self.pool = None

@@ -193,26 +193,24 @@ class StepPlanner:
         step. A prompt samples at its last row, which each of its K + 1 verified rows repeats (it verifies no
         drafts)."""
         graphs, batch = self.graphs, self.batch
-        if batch is None:
+        num_tokens = [it.num_tokens for it in items]
+        n = num_tokens.count(1)  # (every check before the key costs O(prompts), not O(items): most steps fail one)
+        if batch is None or n == len(items) or not n or len(items) - n > MIXED_PROMPTS \
+                or sum(num_tokens) - n + MIXED_PROMPTS - (len(items) - n) > max(graphs.mixed_rows, default=0):
             return None
-        decode, prompts = [], []
-        for i, it in enumerate(items):
-            if it.num_tokens == 1 and it.samples:
-                decode.append(i)
-            elif it.samples and not it.seq.num_inflight and it.seq.grammar is None \
-                    and it.seq.params.prompt_logprobs is None:
-                prompts.append(i)
-            else:
-                return None
-        if not decode or not prompts or len(prompts) > MIXED_PROMPTS:
+        decode = [i for i, t in enumerate(num_tokens) if t == 1]  # (each must sample: `decode_lengths`)
+        prompts = [i for i, t in enumerate(num_tokens) if t != 1]
+        pro = [items[i] for i in prompts]
+        if any(not it.samples or it.seq.num_inflight or it.seq.grammar is not None
+               or it.seq.params.prompt_logprobs is not None for it in pro):
             return None
-        dec, pro = [items[i] for i in decode], [items[i] for i in prompts]
+        dec = [items[i] for i in decode]
         dseqs, pseqs = [it.seq for it in dec], [it.seq for it in pro]
         num_cached = batch.decode_lengths(dseqs)
         if num_cached is None:
             return None
         slots = batch.slots_for(dseqs + pseqs)  # (one call: filling a slot may free those not in the call)
-        n, m = len(dec), len(pro)
+        m = len(pro)
         if batch.wants_logprobs[slots].any():
             return None
         ddrafts = [drafts[i] for i in decode]
