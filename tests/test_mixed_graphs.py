@@ -5,7 +5,10 @@ checked against the dynamic engine, which runs every step as one unpadded forwar
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 from spec_helpers import mixed_prompts, one_thread, tiny_setup  # noqa: F401
 
 from sparkspec.engine.config import EngineConfig
@@ -125,3 +128,29 @@ def test_steps_a_mixed_graph_does_not_hold_run_in_parts():
     eng.runner.execute_split = lambda *a, **kw: splits.append(1) or split(*a, **kw)
     assert run(eng) == want
     assert splits, "a step the mixed graph cannot hold ran in parts"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("method", ["none", "dspark"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_captured_mixed_graphs_equal_eager(method, overlap):
+    """On a GPU the mixed graphs are captured at start-up and replayed (fp32: the tokens of the dynamic eager
+    engine), in turn and launched ahead."""
+    if method == "dspark" and overlap:
+        pytest.skip("a drafting engine launches ahead only its plain steps (the fixed budget drafts on every one)")
+    cfg, model, tensors = tiny_setup()
+    model = copy.deepcopy(model).to("cuda", torch.float32).keep_fp32()
+    prompts = mixed_prompts(cfg.vocab_size, [20, 5, 9, 14, 7, 11, 6, 10, 8], seed=21)
+    params = [SamplingParams(max_tokens=5 + (3 * i) % 7, ignore_eos=True) for i in range(len(prompts))]
+
+    def build(eager: bool) -> LLMEngine:
+        c = EngineConfig(max_num_seqs=8, speculative=method, num_spec_tokens=3 if method != "none" else None,
+                         spec_budget="fixed", enforce_eager=eager, async_scheduling=overlap and not eager,
+                         max_num_batched_tokens=64)
+        return LLMEngine(model, None, c, tensors)
+
+    want = join_in_bursts(build(True), prompts, params)
+    eng = build(False)
+    assert join_in_bursts(eng, prompts, params) == want
+    assert eng.runner.num_mixed_steps >= 3
