@@ -11,6 +11,7 @@ import torch
 from spec_helpers import drafter_tensors, one_thread, random_target, tiny_config  # noqa: F401
 
 from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.cuda_graphs import MIXED_PROMPTS
 from sparkspec.engine.kv_plan import cache_bytes_per_token, plan_kv_cache
 from sparkspec.engine.llm_engine import LLMEngine
 
@@ -42,9 +43,9 @@ def test_the_plan_covers_what_is_allocated(config_dtype, load_dtype, method, bud
     plan, allocated = engine.kv_plan, allocated_bytes(engine)
     total = sum(allocated.values())
     assert total <= plan.total_bytes <= total + plan.bytes_per_block, (plan.describe(), allocated)
-    if method in ("dspark", "mtp"):  # context pools; on-device drafts keep their q: [max_num_seqs, k, V] fp32
+    if method in ("dspark", "mtp"):  # context pools; on-device drafts keep their q: [max_num_seqs + P, k, V] fp32
         assert allocated["drafter pools"] > 0
-        q_bytes = 8 * NUM_SPEC_TOKENS[method] * cfg.vocab_size * 4
+        q_bytes = (8 + MIXED_PROMPTS) * NUM_SPEC_TOKENS[method] * cfg.vocab_size * 4  # (a mixed graph's prompts)
         assert allocated["q_store"] == plan.overhead_bytes["q_store"] == q_bytes
     if not budget:
         assert plan.num_blocks == 8 * (96 // 16)  # sized for max_num_seqs x max_model_len
