@@ -47,6 +47,23 @@ def tiny_setup(seed: int = 0):
     return cfg, random_target(cfg, seed), drafter_tensors(cfg, seed + 1)
 
 
+def static_step_engine(model, tensors, method: str, static: bool, max_num_seqs: int, async_scheduling: bool = False,
+                       **kw):
+    """An eager engine (fixed budget, k = 3 where it drafts); `static`: its steps packed and padded as CUDA graphs
+    are, run eagerly (`use_graphs(eager=True)`: the layout a GPU replays, checked on CPU)."""
+    from sparkspec.engine.config import EngineConfig
+    from sparkspec.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, speculative=method, num_spec_tokens=3 if method != "none" else None,
+                       spec_budget="fixed", enforce_eager=True, async_scheduling=async_scheduling, **kw)
+    eng = LLMEngine(model, None, cfg, tensors)
+    if static:
+        k = eng.spec.num_spec_tokens if eng.spec else 0
+        eng.runner.use_graphs(cfg.max_num_seqs, eng.max_model_len, k, eager=True,
+                              max_num_batched_tokens=cfg.max_num_batched_tokens)
+    return eng
+
+
 def mixed_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # ids >= 4 keep clear of bos / eos / the noise token; repeats make n-gram lookup fire now and then

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from spec_helpers import mixed_prompts, one_thread, tiny_setup  # noqa: F401
+from spec_helpers import mixed_prompts, one_thread, static_step_engine, tiny_setup  # noqa: F401
 
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.cuda_graphs import MIXED_PROMPTS, GraphKey, prompt_slot_rows, request_rows
@@ -20,14 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_engine(model, tensors, method: str, static: bool, overlap: bool = False, **kw) -> LLMEngine:
-    cfg = EngineConfig(max_num_seqs=8, speculative=method, num_spec_tokens=3 if method != "none" else None,
-                       spec_budget="fixed", enforce_eager=True, async_scheduling=overlap, **kw)
-    eng = LLMEngine(model, None, cfg, tensors)
-    if static:
-        k = eng.spec.num_spec_tokens if eng.spec else 0
-        eng.runner.use_graphs(cfg.max_num_seqs, eng.max_model_len, k, eager=True,
-                              max_num_batched_tokens=cfg.max_num_batched_tokens)
-    return eng
+    return static_step_engine(model, tensors, method, static, max_num_seqs=8, async_scheduling=overlap, **kw)
 
 
 def test_prompt_slots_and_keys():

@@ -10,9 +10,8 @@ verify rows)."""
 from __future__ import annotations
 
 import pytest
-from spec_helpers import mixed_prompts, one_thread, tiny_setup  # noqa: F401
+from spec_helpers import mixed_prompts, one_thread, static_step_engine, tiny_setup  # noqa: F401
 
-from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.sampling_params import SamplingParams
 
@@ -22,14 +21,7 @@ LENGTHS = [3, 9, 17, 30, 5, 12, 7, 21]
 
 def make_engine(model, tensors, method: str, static: bool, **kw) -> LLMEngine:
     """Steps in turn (steps launched ahead split the same way: tests/test_async_scheduling.py)."""
-    cfg = EngineConfig(max_num_seqs=4, speculative=method, num_spec_tokens=3 if method != "none" else None,
-                       spec_budget="fixed", enforce_eager=True, async_scheduling=False, **kw)
-    eng = LLMEngine(model, None, cfg, tensors)
-    if static:
-        k = eng.spec.num_spec_tokens if eng.spec else 0
-        eng.runner.use_graphs(cfg.max_num_seqs, eng.max_model_len, k, eager=True,
-                              max_num_batched_tokens=cfg.max_num_batched_tokens)
-    return eng
+    return static_step_engine(model, tensors, method, static, max_num_seqs=4, **kw)
 
 
 def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int

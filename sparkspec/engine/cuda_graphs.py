@@ -80,6 +80,12 @@ class GraphKey(NamedTuple):
         return self.q > self.draft_cols + 1 or self.num_prompts > 0
 
 
+def mixed_rows_needed(num_prompt_tokens: int, num_prompts: int) -> int:
+    """Prompt rows a mixed graph needs for `num_prompts` chunks of `num_prompt_tokens` tokens in all: theirs, and
+    a row for each empty slot (`prompt_slot_rows`)."""
+    return num_prompt_tokens + MIXED_PROMPTS - num_prompts
+
+
 def prompt_slot_rows(key: GraphKey, lengths: list[int]) -> list[int]:
     """Rows of each prompt slot of mixed graph `key` holding prompt chunks of `lengths` tokens (then dummies): each
     chunk its own rows, a dummy one row, and the last slot every row left over (its rows past a real chunk's end
@@ -178,7 +184,7 @@ class GraphRunner:
             return None
         q = next((q for q in self.query_lens if q >= num_rows), None)
         R = next((s for s in self.sizes if s >= num_reqs), None)
-        need = sum(prompt_lens) + MIXED_PROMPTS - len(prompt_lens)
+        need = mixed_rows_needed(sum(prompt_lens), len(prompt_lens))
         rows = next((t for t in self.mixed_rows if t >= need), None)
         if q is None or R is None or rows is None:
             return None

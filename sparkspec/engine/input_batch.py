@@ -31,6 +31,13 @@ from sparkspec.engine.scheduler import ScheduledSeq
 KeyFn = Callable[[int, int, str, int], "GraphKey | None"]  # GraphRunner.key_for
 
 
+def padded(values: np.ndarray, size: int, pad, dtype=np.int64) -> np.ndarray:
+    """[size]: `values` first, then `pad` (a graph's per-request part: the real requests, then its dummies)."""
+    out = np.full(size, pad, dtype)
+    out[: len(values)] = values
+    return out
+
+
 class InputBatch:
     def __init__(self, num_slots: int, width: int, scratch_block: int, ratios: tuple[int, ...],
                  device_drafts: int = 0, needs_next_ids: bool = False):
@@ -218,15 +225,10 @@ class InputBatch:
         q_rows = np.full(R, -1, np.int64)
         q_rows[:n] = np.where(num_drafts > 0, np.asarray(draft_rows, dtype=np.int64), -1)
 
-        def per_req(values: np.ndarray, pad, dtype=np.int64) -> np.ndarray:
-            out = np.full(R, pad, dtype)
-            out[:n] = values
-            return out
-
-        temperature = per_req(self.temperature[slots], 0.0, np.float64).view(np.int64)
-        top_p = per_req(self.top_p[slots], 1.0, np.float64).view(np.int64)
+        temperature = padded(self.temperature[slots], R, 0.0, np.float64).view(np.int64)
+        top_p = padded(self.top_p[slots], R, 1.0, np.float64).view(np.int64)
         next_ids = np.zeros(R * q if self.needs_next_ids else 0, np.int64)  # decode rows: nothing known after
         head = [ids.ravel(), positions, req_idx, cu, starts + q, tables.ravel(), *emits]  # (no logits rows)
-        per_request = [gather, draft_ids, q_rows, per_req(self.top_k[slots], 0), per_req(self.seeds[slots], 0),
-                       per_req(num_cached + 1, 0), reqs, first, temperature, top_p, per_req(self.seeded[slots], 0)]
+        per_request = [gather, draft_ids, q_rows, padded(self.top_k[slots], R, 0), padded(self.seeds[slots], R, 0),
+                       padded(num_cached + 1, R, 0), reqs, first, temperature, top_p, padded(self.seeded[slots], R, 0)]
         return head, per_request, next_ids

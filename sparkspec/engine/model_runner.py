@@ -314,8 +314,7 @@ class ModelRunner:
         batch, n = self.planner.batch, len(items)
         if batch is None or not n:
             return None
-        none = [[] for _ in items]
-        mixed = self.planner.pack_mixed(items, none, [-1] * n, 0)
+        mixed = self.planner.pack_mixed(items, [[] for _ in items], [-1] * n, 0)
         groups = [] if mixed is not None else self.split_mixed(items, max(self.graphs.prefill_lens, default=0),
                                                                 self.graphs.prefill_groups)
         if groups is None:

@@ -16,8 +16,15 @@ import itertools
 
 import numpy as np
 
-from sparkspec.engine.cuda_graphs import MIXED_PROMPTS, GraphKey, GraphRunner, prompt_slot_rows, request_rows
-from sparkspec.engine.input_batch import InputBatch
+from sparkspec.engine.cuda_graphs import (
+    MIXED_PROMPTS,
+    GraphKey,
+    GraphRunner,
+    mixed_rows_needed,
+    prompt_slot_rows,
+    request_rows,
+)
+from sparkspec.engine.input_batch import InputBatch, padded
 from sparkspec.engine.packed_step import PackedStep
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.step_io import Upload, float_bits
@@ -196,7 +203,7 @@ class StepPlanner:
         num_tokens = [it.num_tokens for it in items]
         n = num_tokens.count(1)  # (every check before the key costs O(prompts), not O(items): most steps fail one)
         if batch is None or n == len(items) or not n or len(items) - n > MIXED_PROMPTS \
-                or sum(num_tokens) - n + MIXED_PROMPTS - (len(items) - n) > max(graphs.mixed_rows, default=0):
+                or mixed_rows_needed(sum(num_tokens) - n, len(items) - n) > max(graphs.mixed_rows, default=0):
             return None
         decode = [i for i, t in enumerate(num_tokens) if t == 1]  # (each must sample: `decode_lengths`)
         prompts = [i for i, t in enumerate(num_tokens) if t != 1]
@@ -256,19 +263,13 @@ class StepPlanner:
             tables[j, : len(it.seq.block_ids)] = it.seq.block_ids
         row_ids = T0 + np.arange(key.prompt_rows)
         emits = [np.where((positions + 1) % ratio == 0, row_ids, -1) for ratio in batch.ratios]
-        last = T0 + offsets[:-1] + np.minimum(rows, np.asarray(lengths + [1] * (P - m))) - 1  # [P] sampled rows
+        last = T0 + offsets[:-1] + padded(lengths, P, 1) - 1  # [P] sampled rows: each chunk's last (a dummy's one)
         head = [ids, positions, R + slot_of_row, T0 + offsets[1:], starts + rows, tables.ravel(), *emits]
-
-        def per_req(values, pad, dtype=np.int64) -> np.ndarray:
-            out = np.full(P, pad, dtype)
-            out[:m] = values
-            return out
-
         per_request = [np.repeat(last[:, None], K + 1, 1), np.full((P, K), -1, np.int64), np.full(P, -1, np.int64),
-                       per_req(batch.top_k[slots], 0), per_req(batch.seeds[slots], 0),
-                       per_req(starts[:m] + lengths, 0), R + np.arange(P), last,
-                       per_req(batch.temperature[slots], 0.0, np.float64).view(np.int64),
-                       per_req(batch.top_p[slots], 1.0, np.float64).view(np.int64), per_req(batch.seeded[slots], 0)]
+                       padded(batch.top_k[slots], P, 0), padded(batch.seeds[slots], P, 0),
+                       padded(starts[:m] + lengths, P, 0), R + np.arange(P), last,
+                       padded(batch.temperature[slots], P, 0.0, np.float64).view(np.int64),
+                       padded(batch.top_p[slots], P, 1.0, np.float64).view(np.int64), padded(batch.seeded[slots], P, 0)]
         next_ids = np.zeros(0, np.int64)
         if self.needs_next_ids:  # the token after each row, where known (a prompt's own), then 0
             next_ids = np.zeros(key.prompt_rows, np.int64)
