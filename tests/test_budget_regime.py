@@ -579,3 +579,27 @@ def test_an_arm_not_seen_joining_is_charged_the_other_arms_cost_per_chunk_scaled
     assert spec_seconds == pytest.approx(0.003)
     assert budget.measured_theta(16, "spec") == pytest.approx(1 / (0.003 / 48 + 0.0015 * rho))
     assert budget.measured_theta(16, "plain") == pytest.approx(1 / (0.001 / 16 + 0.0005 * rho))
+
+
+@pytest.mark.parametrize("told_idle", [True, False])
+def test_the_wait_for_work_is_no_steps_time(told_idle):
+    """Levels of steps at one request (plain: 1 ms for one token; drafting: 4 ms for two) end, and the engine
+    waits 2 s for the next request each time (below `StepTimes.max_seconds`, so only `idle` keeps it out). Told
+    that the engine went idle, the budget files no step longer than the steps run, and plain decoding at one
+    request at what it runs; not told, the wait lands on the last step before it."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    budget.trace = []
+    accepting(budget, 2)
+    for level in range(4):
+        run_loop(budget, clock, 1, lambda n, verified, proposed: 0.004 if verified or proposed else 0.001, 30,
+                 tokens=lambda n, verified, proposed: 2 if verified or proposed else 1)
+        if told_idle:
+            budget.idle()
+        clock.now += 2.0
+    filed = [e["ms"] for e in budget.trace if e.get("filed") or e.get("joined")]
+    if told_idle:
+        assert max(filed) == pytest.approx(4.0)
+        assert budget.step_times.throughput(1, "plain") == pytest.approx(1000.0)
+    else:
+        assert max(filed) > 2000

@@ -169,3 +169,30 @@ def test_requests_left_out_of_a_step_drop_drafts_whose_q_was_overwritten():
     assert (a.spec.draft_ids, a.spec.draft_row) == ([9, 9], 0)
     assert (b.spec.draft_ids, b.spec.draft_row, b.spec.confidences) == ([], -1, None)
     assert (c.spec.draft_ids, c.spec.draft_row) == ([7], -1)
+
+
+def test_an_idle_engine_files_no_step_with_the_wait(setup, tmp_path):
+    """The engine tells the adaptive budget when its last request has finished (`VerificationBudget.idle`), so the
+    5 s before the next batch arrives is no step's wall time. The budget's clock is a fake one that advances 1 ms
+    per read: every step filed is a few ms whatever the host's speed; without the engine's call, the step before
+    the wait would be filed at ~5 s (under `StepTimes.max_seconds`)."""
+    cfg, model, tensors, prompts, params, _ = setup
+    ec = EngineConfig(max_num_seqs=4, speculative="dspark", num_spec_tokens=3, spec_budget="adaptive",
+                      cost_cache_dir=str(tmp_path), max_num_batched_tokens=64)
+    eng = LLMEngine(model, None, ec, tensors)
+    budget = eng.spec.budget
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            self.now += 0.001
+            return self.now
+
+    clock = budget.clock = Clock()
+    budget.gc_clock, budget.trace = None, []
+    eng.generate(prompts[:4], params[:4])
+    clock.now += 5.0
+    eng.generate(prompts[4:8], params[4:8])
+    filed = [e["ms"] for e in budget.trace if e.get("filed") or e.get("joined")]
+    assert len(filed) > 10 and max(filed) < 10.0

@@ -235,6 +235,14 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
+        """One engine step (`take_step`). A step that leaves no request behind tells the adaptive budget that the
+        engine is idle (`VerificationBudget.idle`): the wait for the next request is no step's time."""
+        outputs = self.take_step()
+        if self.spec is not None and self.spec.budget is not None and not self.has_unfinished():
+            self.spec.budget.idle()
+        return outputs
+
+    def take_step(self) -> list[RequestOutput]:
         """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> free -> emit.
 
         Async scheduling (on by default where graphs are captured): while no request needs logprobs, a grammar or
