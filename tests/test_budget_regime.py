@@ -591,7 +591,7 @@ def test_the_wait_for_work_is_no_steps_time(told_idle):
     budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
     budget.trace = []
     accepting(budget, 2)
-    for level in range(4):
+    for _level in range(4):
         run_loop(budget, clock, 1, lambda n, verified, proposed: 0.004 if verified or proposed else 0.001, 30,
                  tokens=lambda n, verified, proposed: 2 if verified or proposed else 1)
         if told_idle:
