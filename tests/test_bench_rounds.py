@@ -41,3 +41,20 @@ def test_rounds_below_one_is_a_usage_error(tmp_path, capsys):
 
     assert main(["bench", "offline", "--model", str(tmp_path), "--rounds", "0"]) == 2
     assert "--rounds 0" in capsys.readouterr().err
+
+
+def test_paired_ratios_compare_each_round_with_its_best_rival():
+    """Round by round, each setting over the best other setting of that round; median, min and max over rounds. A
+    setting that is lucky once (best-of-N would take its 30 against the rival's 20) reads as the median of its
+    pairings."""
+    every = [{"setting": s, "concurrency": 4, "round": r, "tok_s_total": v}
+             for r, vals in enumerate([(10.0, 20.0, 9.0), (30.0, 20.0, 33.0), (10.0, 12.0, 11.0)])
+             for s, v in zip(("none", "fixed", "adaptive"), vals)]
+    every.append({"setting": "none", "concurrency": 1, "round": 0, "tok_s_total": 5.0})  # no rival: left out
+    got = {r["setting"]: r for r in offline.paired_ratios(every)}
+    assert set(got) == {"none", "fixed", "adaptive"} and all(r["concurrency"] == 4 for r in got.values())
+    assert got["adaptive"] == {"setting": "adaptive", "concurrency": 4, "rounds": 3, "median": 0.917, "min": 0.45,
+                               "max": 1.1}
+    assert got["none"]["median"] == 0.833 and got["fixed"]["max"] == 2.0
+    table = offline.format_ratios(list(got.values()))
+    assert "0.92 [0.45, 1.10]" in table and table.splitlines()[0].split() == ["c=4"]

@@ -423,6 +423,39 @@ def run_rounds(args) -> tuple[list[dict], list[dict]]:
     return sorted(best.values(), key=lambda row: (order[row["setting"]], row["concurrency"])), every
 
 
+def paired_ratios(every: list[dict]) -> list[dict]:
+    """Each setting against the best other setting of the same round and concurrency: tokens per second over the
+    other's, per round, and their median, min and max over the rounds (a setting without a rival in a round is left
+    out of it). Best-of-N compares each setting's luckiest round; on the H200 one setting's rounds ran up to 1.5x
+    apart within seconds, every host phase together, so a ratio of two best rounds moves with the luck of two draws.
+    Rounds run back to back and the settings' order rotates (`--interleave`), so a round's ratio pairs levels run
+    seconds apart. -> one row per setting and concurrency, in the order first seen."""
+    import statistics
+
+    by_round: dict[tuple[int, int], dict[str, float]] = {}
+    for row in every:
+        by_round.setdefault((row["concurrency"], row.get("round", 0)), {})[row["setting"]] = row["tok_s_total"]
+    ratios: dict[tuple[str, int], list[float]] = {}
+    for row in every:
+        same = by_round[(row["concurrency"], row.get("round", 0))]
+        others = [v for name, v in same.items() if name != row["setting"]]
+        if others and max(others) > 0:
+            ratios.setdefault((row["setting"], row["concurrency"]), []).append(row["tok_s_total"] / max(others))
+    return [{"setting": name, "concurrency": c, "rounds": len(r), "median": round(statistics.median(r), 3),
+             "min": round(min(r), 3), "max": round(max(r), 3)} for (name, c), r in ratios.items()]
+
+
+def format_ratios(ratios: list[dict]) -> str:
+    """`paired_ratios` as a table: a row per setting, a column per concurrency, `median [min, max]`."""
+    cs = sorted({r["concurrency"] for r in ratios})
+    names = list(dict.fromkeys(r["setting"] for r in ratios))
+    cell = {(r["setting"], r["concurrency"]): f"{r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]" for r in ratios}
+    width = max(len(n) for n in names)
+    lines = [" " * width + "".join(f"  {'c=' + str(c):>18}" for c in cs)]
+    lines += [f"{n:>{width}}" + "".join(f"  {cell.get((n, c), '-'):>18}" for c in cs) for n in names]
+    return "\n".join(lines)
+
+
 def cmd_offline(args) -> int:
     if args.plot:
         require_plotting()
@@ -459,6 +492,11 @@ def cmd_offline(args) -> int:
             "requests_per_client": args.requests_per_client}
     if rounds > 1:
         meta["every_round"] = every  # `results` holds each setting's best round
+        ratios = paired_ratios(every)
+        if ratios:
+            meta["paired_ratios"] = ratios
+            print(f"each setting / the best other setting of the same round, median [min, max] over {rounds} rounds:"
+                  f"\n{format_ratios(ratios)}", file=sys.stderr)
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:
