@@ -245,8 +245,11 @@ def test_freeze_startup_heap_moves_live_objects_out_of_collections():
 
     from sparkspec.engine.llm import freeze_startup_heap
 
+    threshold = gc.get_threshold()
     try:
         assert freeze_startup_heap() == gc.get_freeze_count() > 1000
+        assert gc.get_threshold() == (max(threshold[0], 50_000), *threshold[1:])
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)
     assert gc.get_freeze_count() == 0
