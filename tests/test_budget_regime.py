@@ -162,7 +162,8 @@ def test_probes_back_off_while_they_confirm_the_choice():
     every = 2 * budget.probe_every  # (x 2: plain decoding is > 25 % behind)
     assert regular[:4] == [every, 2 * every, 4 * every, 8 * every] and regular[-1] == every * budget.max_backoff, gaps
     assert sum(k == 0 for k in ks[1000:]) / 2000 < 0.02  # ~3 of every 512 decisions
-    ks = run_engine(budget, clock, 4, lambda v, p: 0.004 if (v or p) else 0.0009, 1200)  # drafting now loses
+    # drafting now loses: the next probe (at most an interval of every x max_backoff away) finds it
+    ks = run_engine(budget, clock, 4, lambda v, p: 0.004 if (v or p) else 0.0009, every * budget.max_backoff + 200)
     assert ks[-100:] == [0] * 100
 
 

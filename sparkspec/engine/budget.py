@@ -403,7 +403,7 @@ class VerificationBudget:
 
     def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None, padded: bool = False,
                  clock: Callable[[], float] = time.perf_counter, min_samples: int = 2, probe_every: int = 32,
-                 probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 8, trusted_margin: float = 2.0,
+                 probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 16, trusted_margin: float = 2.0,
                  plain_probe_extra: int = 0, spec_margin: float = 1.05, gc_clock: GCClock | None = None):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
@@ -441,7 +441,13 @@ class VerificationBudget:
         # bound) where drafting truly leads by less.
         self.spec_margin = spec_margin
         self.max_first_probes = max_first_probes  # back-to-back probes of an arm that has no samples yet
-        self.max_backoff = max_backoff  # a probe that confirms the choice doubles the interval, up to this factor
+        # a probe that confirms the choice doubles the interval, up to this factor. 16, not 8: a probe of drafting
+        # where plain decoding wins costs more than its steps (on the H200 demo pair at c = 64, ~4 steps of 3.5 ms
+        # against 1.3 ms, and requests of one length leave their lockstep, so they end, and their successors
+        # join, on different steps); at 8 the interval (256 decisions) put a probe in every 256-step level of
+        # `bench offline`. The price: a change of workload is found up to 32 x 16 = 512 decisions later (1,024
+        # where one arm leads by > 25 %: ~1.3 s of 1.3 ms steps at c = 64)
+        self.max_backoff = max_backoff
         self.trusted_margin = trusted_margin  # drafting's measured lead over the table's plain: no first probes
         self._probes: dict[int, _Probe] = {}
         self._plans: dict[tuple[int, int], tuple[int, float, float, float]] = {}  # `static_plan`, by its arguments
