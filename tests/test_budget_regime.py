@@ -604,3 +604,56 @@ def test_the_wait_for_work_is_no_steps_time(told_idle):
         assert budget.step_times.throughput(1, "plain") == pytest.approx(1000.0)
     else:
         assert max(filed) > 2000
+
+
+def test_samples_taken_beside_the_other_arm_are_timed_at_the_hosts_speed_now():
+    """A probe of drafting (40 tokens in 2 ms) pairs its samples with plain decoding's throughput of the steps just
+    before (16 k tokens per second); the host then runs twice as slow, and only plain decoding is sampled (8 k):
+    drafting's samples count as taking 4 ms now. Samples taken with no recent sample of the other arm are left as
+    measured, and so is an arm whose samples were taken beside a reference that has not moved."""
+    st = StepTimes()
+    for _ in range(20):
+        st.observe(16, "plain", 0.001, 16)
+    for _ in range(4):
+        st.observe(16, "spec", 0.002, 40)
+    assert st.corrected_throughput(16, "spec") == pytest.approx(20000)  # the host has not moved yet
+    for _ in range(64):
+        st.observe(16, "plain", 0.002, 16)
+    assert st.throughput(16, "plain") == pytest.approx(8000) == st.corrected_throughput(16, "plain")
+    assert st.throughput(16, "spec") == pytest.approx(20000)
+    assert st.corrected_throughput(16, "spec") == pytest.approx(10000)
+    for _ in range(3):  # a new probe at the host's speed now: its samples' reference is plain decoding now
+        st.observe(16, "spec", 0.004, 40)
+    assert st.corrected_throughput(16, "spec") == pytest.approx(10000)
+    alone = StepTimes()  # drafting sampled long after plain decoding last ran: the later samples have no reference
+    for arm, n, sec in (("plain", 4, 0.001), ("spec", 40, 0.002), ("plain", 64, 0.004)):
+        for _ in range(n):
+            alone.observe(16, arm, sec, 16)
+    assert list(alone.refs[(bucket_of(16), "spec")]).count(None) == 40 - 16
+    paired_then, unpaired = 16 * 0.002 * 16000 / 4000, 24 * 0.002  # 16 samples paired with plain's 16 k tokens/s
+    longest = 0.002 * 16000 / 4000
+    want = 39 * 16 / (paired_then + unpaired - longest)
+    assert alone.corrected_throughput(16, "spec") == pytest.approx(want)
+
+
+@pytest.mark.parametrize("correct", [True, False])
+def test_a_slower_host_does_not_make_the_older_arm_look_faster(correct, monkeypatch):
+    """Plain decoding (16 tokens per ms) beats drafting (48 tokens per 3.6 ms) by 1.2x at any host speed. After
+    400 steps the host runs twice as slow. Plain decoding's samples follow at once; drafting's stay from the fast
+    host until its next probe. Corrected for the drift, the budget keeps plain decoding; not corrected, drafting
+    looks 1.7x faster and the budget drafts until its own slow samples outnumber the fast ones."""
+    if not correct:
+        monkeypatch.setattr(StepTimes, "corrected_throughput", StepTimes.throughput)
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    accepting(budget, 2)
+
+    def seconds(n, verified, proposed):
+        return (0.0036 if verified or proposed else 0.001) * (2 if n >= 400 else 1)
+
+    ks = run_loop(budget, clock, 16, seconds, 800, tokens=lambda n, v, p: 48 if (v or p) else 16)
+    slow = sum(k > 0 for k in ks[400:])
+    if correct:
+        assert slow <= 2 * budget.probe_len  # probes only
+    else:
+        assert slow > 20

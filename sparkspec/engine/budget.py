@@ -242,6 +242,7 @@ class GCClock:
 
 Arm = Literal["plain", "spec"]
 ARMS: tuple[Arm, Arm] = ("plain", "spec")
+OTHER_ARM: dict[Arm, Arm] = {"plain": "spec", "spec": "plain"}
 
 
 @functools.cache
@@ -275,21 +276,47 @@ class StepTimes:
     0.79. The price: an arm that is only probed (3 to 5 samples a probe) keeps probes from a level before; at c = 16
     those were taken while joining prompts went unfiled and kept drafting ahead for most of the next level."""
 
-    def __init__(self, window: int = 64, max_seconds: float = 10.0, min_trim: int = 3):
+    def __init__(self, window: int = 64, max_seconds: float = 10.0, min_trim: int = 3, recent: int = 16,
+                 ref_len: int = 8):
         self.window = window
         self.min_trim = min_trim
         self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
         self.samples: dict[tuple[int, Arm], deque[float]] = {}
         self.tokens: dict[tuple[int, Arm], deque[int | None]] = {}  # the same samples' produced tokens
         self._throughput: dict[tuple[int, Arm], float | None] = {}  # `throughput` since the key's last sample
+        # drift (`corrected_throughput`): per sample, the other arm's throughput over its last `ref_len` samples where
+        # that arm was filed within the bucket's last `recent` samples (None otherwise); per bucket, the samples
+        # filed so far; per key, that count at its newest sample
+        self.recent, self.ref_len = recent, ref_len
+        self.refs: dict[tuple[int, Arm], deque[float | None]] = {}
+        self.num_filed: dict[int, int] = {}
+        self.newest: dict[tuple[int, Arm], int] = {}
+        self._sums: dict[tuple[int, Arm], tuple | None] = {}  # `_paired_sums` since the key's last sample
 
     def observe(self, num_reqs: int, arm: Arm, seconds: float, tokens: int | None = None) -> None:
         if not 0.0 < seconds <= self.max_seconds:
             return
-        key = (bucket_of(num_reqs), arm)
+        bucket = bucket_of(num_reqs)
+        key, other = (bucket, arm), (bucket, OTHER_ARM[arm])
+        n = self.num_filed[bucket] = self.num_filed.get(bucket, 0) + 1
+        ref = None
+        if tokens is not None and n - self.newest.get(other, -self.recent) <= self.recent:
+            ref = self._recent_throughput(other)
         self.samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
         self.tokens.setdefault(key, deque(maxlen=self.window)).append(tokens)
+        self.refs.setdefault(key, deque(maxlen=self.window)).append(ref)
+        self.newest[key] = n
         self._throughput.pop(key, None)
+        self._sums.pop(key, None)
+
+    def _recent_throughput(self, key: tuple[int, Arm]) -> float | None:
+        """Tokens per second of the key's last `ref_len` samples (None where one has no tokens)."""
+        d, toks = self.samples[key], self.tokens[key]
+        m = min(len(d), self.ref_len)
+        last = [toks[-1 - i] for i in range(m)]
+        if any(t is None for t in last):
+            return None
+        return sum(last) / max(math.fsum(d[-1 - i] for i in range(m)), 1e-12)
 
     def count(self, num_reqs: int, arm: Arm) -> int:
         return len(self.samples.get((bucket_of(num_reqs), arm), ()))
@@ -320,6 +347,52 @@ class StepTimes:
             value = math.fsum(t for _, t in pairs) / max(math.fsum(s for s, _ in pairs), 1e-12)
         self._throughput[key] = value
         return value
+
+    def corrected_throughput(self, num_reqs: int, arm: Arm) -> float | None:
+        """`throughput`, each sample taken beside the other arm (a probe's, and the steps just after one) timed at
+        the host's speed now: its seconds x the other arm's throughput then (the sample's reference) / the other
+        arm's throughput now. Samples without a reference count as taken (the arm ran on its own: they are
+        recent where the arm is the one chosen). O(1) a call past the arm's first after a new sample of its own.
+
+        Why: the host's speed moves while the engine runs. On the H200 demo pair a fixed pure-Python workload took
+        2.1 to 5.9 ms from one level of `bench offline` to the next, and every host phase of a step moved with it.
+        The arm not chosen is sampled only by probes, so its samples can be levels older than the chosen arm's: at
+        c = 16 drafting's 7 samples, taken while a plain step took 1.12 ms (a drafting one 2.6 ms), were compared
+        with plain decoding's of a slower stretch (1.3 ms a step); drafting led by 5-16 %, and the budget drafted on
+        43 % of the steps of a level that plain decoding ran 1.18x faster. A probe pairs the two arms within a few
+        steps: its samples' ratio to the other arm then is what the drift leaves alone."""
+        key = (bucket_of(num_reqs), arm)
+        if key not in self._sums:
+            self._sums[key] = self._paired_sums(key)
+        sums = self._sums[key]
+        if sums is None or not sums[1]:
+            return self.throughput(num_reqs, arm)  # nothing paired, or no tokens: as measured
+        tokens, paired, alone, n, top_paired, top_alone = sums
+        now = self.throughput(num_reqs, OTHER_ARM[arm])
+        if not now:
+            return self.throughput(num_reqs, arm)
+        seconds = paired / now + alone
+        if n >= self.min_trim:  # drop the longest sample, as `throughput` does (timed at the host's speed now)
+            drop = max((top_paired[0] / now, top_paired[1]), top_alone)
+            tokens, seconds = tokens - drop[1], seconds - drop[0]
+        return tokens / max(seconds, 1e-12)
+
+    def _paired_sums(self, key: tuple[int, Arm]) -> tuple | None:
+        """(tokens, sum of seconds x reference over the paired samples, seconds of the others, samples, the paired
+        sample with the largest seconds x reference as (that, tokens), the other one with the most seconds as
+        (seconds, tokens)); None without samples or where one has no tokens."""
+        d, toks, refs = self.samples.get(key), self.tokens.get(key), self.refs.get(key)
+        if not d or any(t is None for t in toks):
+            return None
+        paired, alone, top_paired, top_alone = [], [], (0.0, 0), (0.0, 0)
+        for sec, tok, ref in zip(d, toks, refs):
+            if ref:
+                paired.append(sec * ref)
+                top_paired = max(top_paired, (sec * ref, tok))
+            else:
+                alone.append(sec)
+                top_alone = max(top_alone, (sec, tok))
+        return sum(toks), math.fsum(paired), math.fsum(alone), len(d), top_paired, top_alone
 
 
 class JoinCosts:
@@ -626,9 +699,10 @@ class VerificationBudget:
         """The arm's produced tokens per second in `num_reqs`' bucket, joining requests included (`JoinCosts`):
         1 / (seconds per token of its steps without a prompt chunk + its seconds per chunk x chunks per token).
         An arm not yet seen with a request joining is charged the other arm's cost per chunk, scaled by their
-        steps' seconds (a prompt runs as a part of the arm's step: with the drafter where it drafts). None: no
-        tokens known."""
-        rate = self.step_times.throughput(num_reqs, arm)
+        steps' seconds (a prompt runs as a part of the arm's step: with the drafter where it drafts). Where the
+        arm's samples were taken beside the other arm, timed at the host's speed now
+        (`StepTimes.corrected_throughput`). None: no tokens known."""
+        rate = self.step_times.corrected_throughput(num_reqs, arm)
         if rate is None:
             return None
         cost = self.join_costs.per_chunk(num_reqs, arm)
