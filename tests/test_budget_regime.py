@@ -657,3 +657,18 @@ def test_a_slower_host_does_not_make_the_older_arm_look_faster(correct, monkeypa
         assert slow <= 2 * budget.probe_len  # probes only
     else:
         assert slow > 20
+
+
+def test_drafting_acceptance_noise_does_not_move_the_plain_arm():
+    """c = 1 on the H200 demo pair: a plain step takes 0.66 ms for one token, a drafting step 1.85 ms for 1 to 8
+    tokens. Here drafting is lucky for its first 80 steps (8 tokens a step: 4.3 k tokens/s), then not (1.5 tokens a
+    step: 810 tokens/s, plain decoding's 1,515 are 1.9x that). Plain decoding's first samples are paired with the
+    lucky steps; the drift correction reads the steps' seconds, which did not move, not their tokens, which did.
+    Paired with drafting's tokens per second instead, plain decoding was read at ~300 tokens/s from then on and the
+    budget drafted on every step (on the H200, plain at 195-574 tokens/s, drafting on 95 % of the steps)."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+    accepting(budget, 2)
+    ks = run_loop(budget, clock, 1, lambda n, verified, proposed: 0.00185 if verified or proposed else 0.00066, 600,
+                  tokens=lambda n, verified, proposed: (8 if n < 80 else 1 + n % 2) if verified or proposed else 1)
+    assert sum(k > 0 for k in ks[200:]) / 400 < 0.05  # (drafting's window holds lucky steps until ~140)

@@ -284,9 +284,9 @@ class StepTimes:
         self.samples: dict[tuple[int, Arm], deque[float]] = {}
         self.tokens: dict[tuple[int, Arm], deque[int | None]] = {}  # the same samples' produced tokens
         self._throughput: dict[tuple[int, Arm], float | None] = {}  # `throughput` since the key's last sample
-        # drift (`corrected_throughput`): per sample, the other arm's throughput over its last `ref_len` samples where
-        # that arm was filed within the bucket's last `recent` samples (None otherwise); per bucket, the samples
-        # filed so far; per key, that count at its newest sample
+        # drift (`corrected_throughput`): per sample, the other arm's mean seconds over its last `ref_len` samples
+        # where that arm was filed within the bucket's last `recent` samples (None otherwise); per bucket, the
+        # samples filed so far; per key, that count at its newest sample
         self.recent, self.ref_len = recent, ref_len
         self.refs: dict[tuple[int, Arm], deque[float | None]] = {}
         self.num_filed: dict[int, int] = {}
@@ -299,9 +299,7 @@ class StepTimes:
         bucket = bucket_of(num_reqs)
         key, other = (bucket, arm), (bucket, OTHER_ARM[arm])
         n = self.num_filed[bucket] = self.num_filed.get(bucket, 0) + 1
-        ref = None
-        if tokens is not None and n - self.newest.get(other, -self.recent) <= self.recent:
-            ref = self._recent_throughput(other)
+        ref = self._recent_seconds(other) if n - self.newest.get(other, -self.recent) <= self.recent else None
         self.samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
         self.tokens.setdefault(key, deque(maxlen=self.window)).append(tokens)
         self.refs.setdefault(key, deque(maxlen=self.window)).append(ref)
@@ -309,14 +307,13 @@ class StepTimes:
         self._throughput.pop(key, None)
         self._sums.pop(key, None)
 
-    def _recent_throughput(self, key: tuple[int, Arm]) -> float | None:
-        """Tokens per second of the key's last `ref_len` samples (None where one has no tokens)."""
-        d, toks = self.samples[key], self.tokens[key]
-        m = min(len(d), self.ref_len)
-        last = [toks[-1 - i] for i in range(m)]
-        if any(t is None for t in last):
+    def _recent_seconds(self, key: tuple[int, Arm]) -> float | None:
+        """The mean seconds of the key's last `ref_len` samples (None: none)."""
+        d = self.samples.get(key)
+        if not d:
             return None
-        return sum(last) / max(math.fsum(d[-1 - i] for i in range(m)), 1e-12)
+        m = min(len(d), self.ref_len)
+        return math.fsum(d[-1 - i] for i in range(m)) / m
 
     def count(self, num_reqs: int, arm: Arm) -> int:
         return len(self.samples.get((bucket_of(num_reqs), arm), ()))
@@ -350,9 +347,11 @@ class StepTimes:
 
     def corrected_throughput(self, num_reqs: int, arm: Arm) -> float | None:
         """`throughput`, each sample taken beside the other arm (a probe's, and the steps just after one) timed at
-        the host's speed now: its seconds x the other arm's throughput then (the sample's reference) / the other
-        arm's throughput now. Samples without a reference count as taken (the arm ran on its own: they are
-        recent where the arm is the one chosen). O(1) a call past the arm's first after a new sample of its own.
+        the host's speed now: its seconds x the other arm's mean step now / its mean step then (the sample's
+        reference; both over that arm's last `ref_len` samples). Samples without a reference count as measured
+        (the arm ran on its own: they are recent where the arm is the one chosen). Step seconds, not tokens per
+        second, carry the drift: a drafting step's tokens move with acceptance (1 to 8 at c = 1 on the demo
+        pair), its seconds by a few % at one host speed. O(1) a call past the first after the arm's newest sample.
 
         Why: the host's speed moves while the engine runs. On the H200 demo pair a fixed pure-Python workload took
         2.1 to 5.9 ms from one level of `bench offline` to the next, and every host phase of a step moved with it.
@@ -365,21 +364,19 @@ class StepTimes:
         if key not in self._sums:
             self._sums[key] = self._paired_sums(key)
         sums = self._sums[key]
-        if sums is None or not sums[1]:
+        now = self._recent_seconds((key[0], OTHER_ARM[arm]))
+        if sums is None or not sums[1] or not now:
             return self.throughput(num_reqs, arm)  # nothing paired, or no tokens: as measured
         tokens, paired, alone, n, top_paired, top_alone = sums
-        now = self.throughput(num_reqs, OTHER_ARM[arm])
-        if not now:
-            return self.throughput(num_reqs, arm)
-        seconds = paired / now + alone
+        seconds = paired * now + alone
         if n >= self.min_trim:  # drop the longest sample, as `throughput` does (timed at the host's speed now)
-            drop = max((top_paired[0] / now, top_paired[1]), top_alone)
+            drop = max((top_paired[0] * now, top_paired[1]), top_alone)
             tokens, seconds = tokens - drop[1], seconds - drop[0]
         return tokens / max(seconds, 1e-12)
 
     def _paired_sums(self, key: tuple[int, Arm]) -> tuple | None:
-        """(tokens, sum of seconds x reference over the paired samples, seconds of the others, samples, the paired
-        sample with the largest seconds x reference as (that, tokens), the other one with the most seconds as
+        """(tokens, sum of seconds / reference over the paired samples, seconds of the others, samples, the paired
+        sample with the largest seconds / reference as (that, tokens), the other one with the most seconds as
         (seconds, tokens)); None without samples or where one has no tokens."""
         d, toks, refs = self.samples.get(key), self.tokens.get(key), self.refs.get(key)
         if not d or any(t is None for t in toks):
@@ -387,8 +384,8 @@ class StepTimes:
         paired, alone, top_paired, top_alone = [], [], (0.0, 0), (0.0, 0)
         for sec, tok, ref in zip(d, toks, refs):
             if ref:
-                paired.append(sec * ref)
-                top_paired = max(top_paired, (sec * ref, tok))
+                paired.append(sec / ref)
+                top_paired = max(top_paired, (sec / ref, tok))
             else:
                 alone.append(sec)
                 top_alone = max(top_alone, (sec, tok))
