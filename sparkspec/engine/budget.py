@@ -281,17 +281,16 @@ class StepTimes:
         self.window = window
         self.min_trim = min_trim
         self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
+        self.windows: dict[tuple[int, Arm], _Window] = {}
+        # the windows' samples, their produced tokens and (drift: `corrected_throughput`) their references: the other
+        # arm's mean seconds over its last `ref_len` samples where that arm was filed within the bucket's last
+        # `recent` samples, else None
         self.samples: dict[tuple[int, Arm], deque[float]] = {}
-        self.tokens: dict[tuple[int, Arm], deque[int | None]] = {}  # the same samples' produced tokens
-        self._throughput: dict[tuple[int, Arm], float | None] = {}  # `throughput` since the key's last sample
-        # drift (`corrected_throughput`): per sample, the other arm's mean seconds over its last `ref_len` samples
-        # where that arm was filed within the bucket's last `recent` samples (None otherwise); per bucket, the
-        # samples filed so far; per key, that count at its newest sample
-        self.recent, self.ref_len = recent, ref_len
+        self.tokens: dict[tuple[int, Arm], deque[int | None]] = {}
         self.refs: dict[tuple[int, Arm], deque[float | None]] = {}
-        self.num_filed: dict[int, int] = {}
-        self.newest: dict[tuple[int, Arm], int] = {}
-        self._sums: dict[tuple[int, Arm], tuple | None] = {}  # `_paired_sums` since the key's last sample
+        self.recent, self.ref_len = recent, ref_len
+        self.num_filed: dict[int, int] = {}  # per bucket, the samples filed so far (both arms)
+        self.newest: dict[tuple[int, Arm], int] = {}  # per key, that count at its newest sample
 
     def observe(self, num_reqs: int, arm: Arm, seconds: float, tokens: int | None = None) -> None:
         if not 0.0 < seconds <= self.max_seconds:
@@ -300,50 +299,43 @@ class StepTimes:
         key, other = (bucket, arm), (bucket, OTHER_ARM[arm])
         n = self.num_filed[bucket] = self.num_filed.get(bucket, 0) + 1
         ref = self._recent_seconds(other) if n - self.newest.get(other, -self.recent) <= self.recent else None
-        self.samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
-        self.tokens.setdefault(key, deque(maxlen=self.window)).append(tokens)
-        self.refs.setdefault(key, deque(maxlen=self.window)).append(ref)
+        w = self.windows.get(key)
+        if w is None:
+            w = self.windows[key] = _Window(self.window, self.ref_len)
+            self.samples[key], self.tokens[key], self.refs[key] = w.seconds, w.tokens, w.refs
+        w.add(seconds, tokens, ref)
         self.newest[key] = n
-        self._throughput.pop(key, None)
-        self._sums.pop(key, None)
 
     def _recent_seconds(self, key: tuple[int, Arm]) -> float | None:
         """The mean seconds of the key's last `ref_len` samples (None: none)."""
-        d = self.samples.get(key)
-        if not d:
-            return None
-        m = min(len(d), self.ref_len)
-        return math.fsum(d[-1 - i] for i in range(m)) / m
+        w = self.windows.get(key)
+        return w.recent_sum / min(len(w.seconds), self.ref_len) if w is not None and w.seconds else None
 
     def count(self, num_reqs: int, arm: Arm) -> int:
-        return len(self.samples.get((bucket_of(num_reqs), arm), ()))
+        w = self.windows.get((bucket_of(num_reqs), arm))
+        return len(w.seconds) if w is not None else 0
 
     def seconds(self, num_reqs: int, arm: Arm) -> float | None:
-        d = self.samples.get((bucket_of(num_reqs), arm))
-        if not d:
+        w = self.windows.get((bucket_of(num_reqs), arm))
+        if w is None or not w.seconds:
             return None
-        total = math.fsum(d)
-        if len(d) >= self.min_trim:
-            return (total - max(d)) / (len(d) - 1)
-        return total / len(d)
+        n = len(w.seconds)
+        if n >= self.min_trim:
+            return (w.sum_seconds - w.top()[0]) / (n - 1)
+        return w.sum_seconds / n
 
     def throughput(self, num_reqs: int, arm: Arm) -> float | None:
         """Produced tokens per second of the arm's samples (the longest dropped, as in `seconds`); None unless
-        every sample has its tokens. Kept until the arm's next sample: the budget asks on every step (~2 us a
-        time on a busy host, where a c = 1 step has ~600 us of host time in all)."""
-        key = (bucket_of(num_reqs), arm)
-        if key in self._throughput:
-            return self._throughput[key]
-        d, toks = self.samples.get(key), self.tokens.get(key)
-        if not d or any(t is None for t in toks):
-            value = None
-        else:
-            pairs = list(zip(d, toks))
-            if len(pairs) >= self.min_trim:
-                pairs.remove(max(pairs))
-            value = math.fsum(t for _, t in pairs) / max(math.fsum(s for s, _ in pairs), 1e-12)
-        self._throughput[key] = value
-        return value
+        every sample has its tokens. O(1): the budget asks on every step (a c = 1 step has ~450 us of host time
+        in all on the H200)."""
+        w = self.windows.get((bucket_of(num_reqs), arm))
+        if w is None or not w.seconds or w.missing:
+            return None
+        tokens, seconds = w.sum_tokens, w.sum_seconds
+        if len(w.seconds) >= self.min_trim:
+            top = w.top()
+            tokens, seconds = tokens - top[1], seconds - top[0]
+        return tokens / max(seconds, 1e-12)
 
     def corrected_throughput(self, num_reqs: int, arm: Arm) -> float | None:
         """`throughput`, each sample taken beside the other arm (a probe's, and the steps just after one) timed at
@@ -360,36 +352,102 @@ class StepTimes:
         with plain decoding's of a slower stretch (1.3 ms a step); drafting led by 5-16 %, and the budget drafted on
         43 % of the steps of a level that plain decoding ran 1.18x faster. A probe pairs the two arms within a few
         steps: its samples' ratio to the other arm then is what the drift leaves alone."""
-        key = (bucket_of(num_reqs), arm)
-        if key not in self._sums:
-            self._sums[key] = self._paired_sums(key)
-        sums = self._sums[key]
-        now = self._recent_seconds((key[0], OTHER_ARM[arm]))
-        if sums is None or not sums[1] or not now:
-            return self.throughput(num_reqs, arm)  # nothing paired, or no tokens: as measured
-        tokens, paired, alone, n, top_paired, top_alone = sums
-        seconds = paired * now + alone
-        if n >= self.min_trim:  # drop the longest sample, as `throughput` does (timed at the host's speed now)
+        bucket = bucket_of(num_reqs)
+        w = self.windows.get((bucket, arm))
+        if w is None or not w.seconds or w.missing:
+            return None
+        now = self._recent_seconds((bucket, OTHER_ARM[arm]))
+        if not w.num_paired or not now:
+            return self.throughput(num_reqs, arm)  # nothing paired: as measured
+        tokens, seconds = w.sum_tokens, w.paired * now + w.alone
+        if len(w.seconds) >= self.min_trim:  # drop the longest sample, as `throughput` does (at the speed now)
+            top_paired, top_alone = w.top_paired(), w.top_alone()
             drop = max((top_paired[0] * now, top_paired[1]), top_alone)
             tokens, seconds = tokens - drop[1], seconds - drop[0]
         return tokens / max(seconds, 1e-12)
 
-    def _paired_sums(self, key: tuple[int, Arm]) -> tuple | None:
-        """(tokens, sum of seconds / reference over the paired samples, seconds of the others, samples, the paired
-        sample with the largest seconds / reference as (that, tokens), the other one with the most seconds as
-        (seconds, tokens)); None without samples or where one has no tokens."""
-        d, toks, refs = self.samples.get(key), self.tokens.get(key), self.refs.get(key)
-        if not d or any(t is None for t in toks):
-            return None
-        paired, alone, top_paired, top_alone = [], [], (0.0, 0), (0.0, 0)
-        for sec, tok, ref in zip(d, toks, refs):
-            if ref:
-                paired.append(sec / ref)
-                top_paired = max(top_paired, (sec / ref, tok))
-            else:
-                alone.append(sec)
-                top_alone = max(top_alone, (sec, tok))
-        return sum(toks), math.fsum(paired), math.fsum(alone), len(d), top_paired, top_alone
+
+class _Window:
+    """One (request-count bucket, arm)'s last samples with their running sums, so that a sample and a question
+    cost O(1): a window's longest sample is looked for again only after the one that held it has left. Each
+    sample: (seconds, produced tokens or None, reference seconds or None: `StepTimes.corrected_throughput`)."""
+
+    def __init__(self, size: int, recent: int):
+        self.recent = recent
+        self.recent_sum = 0.0  # the last `recent` samples' seconds, summed
+        self.seconds: deque[float] = deque(maxlen=size)
+        self.tokens: deque[int | None] = deque(maxlen=size)
+        self.refs: deque[float | None] = deque(maxlen=size)
+        self.sum_seconds = 0.0
+        self.sum_tokens = 0
+        self.missing = 0  # samples without tokens
+        self.num_paired = 0  # samples with a reference
+        self.paired = 0.0  # their seconds / reference, summed
+        self.alone = 0.0  # the others' seconds, summed
+        # (seconds, tokens) of the longest sample, of the paired one with the most seconds / reference (that
+        # ratio, tokens) and of the longest other one; None: to be looked for
+        self._top: tuple[float, int] | None = (0.0, 0)
+        self._top_paired: tuple[float, int] | None = (0.0, 0)
+        self._top_alone: tuple[float, int] | None = (0.0, 0)
+
+    def add(self, seconds: float, tokens: int | None, ref: float | None) -> None:
+        if len(self.seconds) >= self.recent:
+            self.recent_sum -= self.seconds[-self.recent]
+        if len(self.seconds) == self.seconds.maxlen:
+            self._leave(self.seconds[0], self.tokens[0], self.refs[0])
+        self.recent_sum += seconds
+        self.seconds.append(seconds)
+        self.tokens.append(tokens)
+        self.refs.append(ref)
+        tok = tokens or 0
+        self.sum_seconds += seconds
+        self.sum_tokens += tok
+        self.missing += tokens is None
+        if self._top is not None:
+            self._top = max(self._top, (seconds, tok))
+        if ref:
+            self.num_paired += 1
+            self.paired += seconds / ref
+            if self._top_paired is not None:
+                self._top_paired = max(self._top_paired, (seconds / ref, tok))
+        else:
+            self.alone += seconds
+            if self._top_alone is not None:
+                self._top_alone = max(self._top_alone, (seconds, tok))
+
+    def _leave(self, seconds: float, tokens: int | None, ref: float | None) -> None:
+        tok = tokens or 0
+        self.sum_seconds -= seconds
+        self.sum_tokens -= tok
+        self.missing -= tokens is None
+        if self._top == (seconds, tok):
+            self._top = None
+        if ref:
+            self.num_paired -= 1
+            self.paired -= seconds / ref
+            if self._top_paired == (seconds / ref, tok):
+                self._top_paired = None
+        else:
+            self.alone -= seconds
+            if self._top_alone == (seconds, tok):
+                self._top_alone = None
+
+    def top(self) -> tuple[float, int]:
+        if self._top is None:
+            self._top = max(zip(self.seconds, (t or 0 for t in self.tokens)), default=(0.0, 0))
+        return self._top
+
+    def top_paired(self) -> tuple[float, int]:
+        if self._top_paired is None:
+            self._top_paired = max(((s / r, t or 0) for s, t, r in zip(self.seconds, self.tokens, self.refs) if r),
+                                   default=(0.0, 0))
+        return self._top_paired
+
+    def top_alone(self) -> tuple[float, int]:
+        if self._top_alone is None:
+            self._top_alone = max(((s, t or 0) for s, t, r in zip(self.seconds, self.tokens, self.refs) if not r),
+                                  default=(0.0, 0))
+        return self._top_alone
 
 
 class JoinCosts:
