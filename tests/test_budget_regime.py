@@ -672,3 +672,24 @@ def test_drafting_acceptance_noise_does_not_move_the_plain_arm():
     ks = run_loop(budget, clock, 1, lambda n, verified, proposed: 0.00185 if verified or proposed else 0.00066, 600,
                   tokens=lambda n, verified, proposed: (8 if n < 80 else 1 + n % 2) if verified or proposed else 1)
     assert sum(k > 0 for k in ks[200:]) / 400 < 0.05  # (drafting's window holds lucky steps until ~140)
+
+
+@pytest.mark.parametrize("max_age", [2.0, None])
+def test_an_arm_whose_samples_are_old_is_probed_again(max_age):
+    """Plain steps of 10 ms for 256 tokens, drafting ones of 30 ms for 500 (a level at c = 256 on the H200):
+    drafting loses, each probe confirms it, and its interval grows to 32 x 16 x 2 decisions (~10 s of steps).
+    With `max_age` 2 s, drafting is probed again once its samples are 2 s old (~200 decisions); without, only at
+    its interval."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock,
+                                max_age=max_age if max_age is not None else float("inf"))
+    accepting(budget, 2)
+    ks = run_loop(budget, clock, 256, lambda n, verified, proposed: 0.030 if verified or proposed else 0.010, 6000,
+                  tokens=lambda n, verified, proposed: 500 if verified or proposed else 256)
+    starts = [i for i in range(3000, 6000) if ks[i] and not ks[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert sum(k > 0 for k in ks[3000:]) <= 3 * (len(starts) + 1)  # probes only
+    if max_age is not None:
+        assert len(starts) >= 12 and max(gaps) < 200 + 2 * budget.probe_every, gaps
+    else:
+        assert len(starts) <= 3 and min(gaps) >= 32 * budget.max_backoff * 2

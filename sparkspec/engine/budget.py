@@ -532,7 +532,8 @@ class VerificationBudget:
     def __init__(self, mode: BudgetMode, num_spec_tokens: int, cost: CostTable | None = None, padded: bool = False,
                  clock: Callable[[], float] = time.perf_counter, min_samples: int = 2, probe_every: int = 32,
                  probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 16, trusted_margin: float = 2.0,
-                 plain_probe_extra: int = 0, spec_margin: float = 1.05, gc_clock: GCClock | None = None):
+                 plain_probe_extra: int = 0, spec_margin: float = 1.05, gc_clock: GCClock | None = None,
+                 max_age: float = 2.0):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
@@ -577,6 +578,16 @@ class VerificationBudget:
         # where one arm leads by > 25 %: ~1.3 s of 1.3 ms steps at c = 64)
         self.max_backoff = max_backoff
         self.trusted_margin = trusted_margin  # drafting's measured lead over the table's plain: no first probes
+        # the arm not chosen is probed once its newest sample is this many seconds old (and `probe_every` decisions
+        # have passed), whatever its backoff: the host's speed moves on that scale (on the H200 a fixed workload
+        # took 2.1 to 5.9 ms from one second to the next), and a drafting step, bound by the device, moves less
+        # with it than a plain one, bound by the host, so `StepTimes.corrected_throughput` cannot carry all of it.
+        # Decisions count the engine's steps only: across the levels of `bench offline` (or a server's quiet
+        # spells) an arm's samples grew seconds old in a few hundred decisions, and at c = 1 drafting was chosen
+        # for three levels on plain samples of a slow second (1.1 ms a step, against 0.74 ms as then run).
+        self.max_age = max_age
+        self._sampled_at: dict[tuple[int, Arm], float] = {}  # (bucket, arm): clock at its newest filed sample
+        self._now = 0.0  # clock at the step in progress's start
         self._probes: dict[int, _Probe] = {}
         self._plans: dict[tuple[int, int], tuple[int, float, float, float]] = {}  # `static_plan`, by its arguments
         self._plans_version = -1  # the estimator's version `_plans` were computed at
@@ -623,6 +634,7 @@ class VerificationBudget:
                 else:
                     event["filed"] = arm
                     self.step_times.observe(num_reqs, arm, seconds, self._last_tokens)
+                    self._sampled_at[(bucket_of(num_reqs), arm)] = now
             if self._last_tokens is not None and 0.0 < seconds <= self.step_times.max_seconds:
                 self.join_costs.note_rate(chunks, self._last_tokens)
             if self.trace is not None:  # every step: those not filed too, with why (a later estimator's data)
@@ -631,6 +643,7 @@ class VerificationBudget:
                 self.trace.append(event)
         self._step_start, self._last_step, self._last_tokens, self._gc_at_start = now, None, None, in_gc
         self._last_chunks = 0
+        self._now = now
 
     def idle(self) -> None:
         """The engine has no request left: the step in progress ends now, and no interval runs until the next step
@@ -786,7 +799,9 @@ class VerificationBudget:
         decision), twice that where one arm is > 25 % ahead, four times where the bucket below found plain decoding
         ahead, times a backoff factor. Each probe after which the choice is the same as before it doubles the
         factor (up to `max_backoff`); one after which the choice changed resets it to 1. So a steady workload
-        spends ever fewer steps on the arm that loses, and a change is still found.
+        spends ever fewer steps on the arm that loses, and a change is still found. And, whatever the factor, once
+        the arm's newest sample is `max_age` seconds old (at least `probe_every` decisions after the last probe):
+        the host's speed moves on that scale, and what the samples say moves with it.
 
         First probes: right away (up to `max_first_probes` times), plain decoding is probed while it has fewer
         samples than `StepTimes` trims, once drafting has that many of its own, unless drafting's measured tokens
@@ -829,7 +844,10 @@ class VerificationBudget:
                 and self.step_times.count(key, best) >= enough and not self._leads_by(key, theta["plain"])
             # a clear loser is probed half as often, one the smaller request counts already rejected a quarter
             every = self.probe_every * st.backoff * (4 if prior else 2 if margin > 1.25 else 1)
-            due = since >= every  # (only such probes move the backoff: the first ones measure, they confirm nothing)
+            # stale: the arm's samples are `max_age` seconds old (only such probes and regular ones move the backoff:
+            # the first ones measure, they confirm nothing)
+            stale = self._now - self._sampled_at.get((bucket_of(key), other), self._now) > self.max_age
+            due = since >= every or (stale and since >= self.probe_every)
             if due or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
                 st.arm, st.last_start = other, st.num_decisions
                 st.left = self.plain_probe_len if other == "plain" else self.probe_len
