@@ -363,7 +363,9 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
                         "is built, as the server does: `engine.llm.freeze_startup_heap`)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every setting N times, the settings' order rotated each round; the table and JSON "
-                        "results give each setting's best round (all rounds under meta.every_round)")
+                        "results give each setting's best round (all rounds under meta.every_round), and each "
+                        "setting over the best other setting of the same round, median [min, max] "
+                        "(meta.paired_ratios)")
     p.add_argument("--process-per-setting", action="store_true",
                    help="run each setting in a fresh process (its model loaded again): a setting's rows then do not "
                         "depend on the settings run before it")
