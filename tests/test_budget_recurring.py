@@ -6,7 +6,8 @@ steps, must still count.)"""
 import pytest
 from test_budget_regime import FakeClock, K, accepting, flat_table, run_loop
 
-from sparkspec.engine.budget import StepTimes, VerificationBudget, survival
+from sparkspec.engine.budget import VerificationBudget, survival
+from sparkspec.engine.step_times import StepTimes
 
 
 def test_step_times_mean_counts_recurring_costs_and_trims_one_pause():

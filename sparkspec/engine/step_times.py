@@ -1,0 +1,301 @@
+"""What engine steps cost, as the engine runs them: wall time per step of each arm of the adaptive budget (draft and
+verify, or plain decoding) per request-count bucket (`StepTimes`), what requests joining add to each (`JoinCosts`),
+and the time Python's cyclic collector takes in them (`GCClock`). Pure Python; `budget.VerificationBudget` decides
+from them."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Literal
+
+
+class GCClock:
+    """Seconds spent in Python's cyclic garbage collector since the process installed this clock (one `gc.callbacks`
+    entry for every budget in the process; two calls per collection). A collection lands on whichever step is
+    running: on the H200 demo pair at c = 256, 7 or 8 of ~450 filed plain steps a level held more than 2 ms of it,
+    up to 17 ms (the budget trace's `gc_ms`), against a median step of 4.7 ms. Such time says nothing about the arm,
+    so `StepTimes` is fed steps without it."""
+
+    _installed: GCClock | None = None
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = self.clock()
+        else:
+            self.seconds += self.clock() - self._start
+
+    @classmethod
+    def shared(cls) -> GCClock:
+        if cls._installed is None:
+            cls._installed = cls()
+            gc.callbacks.append(cls._installed._callback)
+        return cls._installed
+
+
+Arm = Literal["plain", "spec"]
+ARMS: tuple[Arm, Arm] = ("plain", "spec")
+OTHER_ARM: dict[Arm, Arm] = {"plain": "spec", "spec": "plain"}
+
+
+@functools.cache
+def bucket_of(num_reqs: int) -> int:
+    """Request-count bucket: the nearest power of two in log scale (15 and 16 share one, 11 and 12 do not)."""
+    return round(math.log2(max(num_reqs, 1)))
+
+
+class StepTimes:
+    """Wall seconds per engine step, per (request-count bucket, arm): the mean of the last `window` samples
+    without the largest one once there are `min_trim` (deterministic given the samples). Where the engine also
+    tells a step's produced tokens, `throughput` is the arm's tokens / seconds over the same samples.
+
+    A mean, not a median: what an arm costs is its total time over its steps, and some costs recur on a
+    fraction of the steps only. In a closed loop a request joins every few steps, and before mixed steps were
+    split (`ModelRunner.split_mixed`) each such step ran eagerly: on the H200 demo pair at c = 16, 12 of 60 DSpark
+    steps carried a prompt and `execute` averaged 10.8 ms against ~2 ms for a graph step (so ~45 ms per eager
+    step). The median of the spec arm was its graph step, so drafting looked 2x ahead of plain
+    decoding while it ran at 0.45x. Dropping the one largest sample still absorbs a single JIT compile or GC
+    pause (a recurring cost has more samples in the window than the one dropped). Steps that carry prompt chunks
+    are filed apart (`JoinCosts`, `VerificationBudget.note_step`).
+
+    64 samples, not 16: requests of one length that started together end together, and the steps around their
+    ends (rows left out while their last token is in flight, the read of the last step with nothing scheduled)
+    recur once a request's life, 64 steps at 64 tokens. A window of 16 held such a stretch a quarter of the time,
+    and the plain arm's estimate swung by more than the 5 % margin (`VerificationBudget.spec_margin`) with it:
+    replayed over the H200 demo pair's traces at c = 64 (one length, second round), drafting led by the margin on
+    85 of 495 decisions with 16 samples, 22 with 32 and none with 64. Run on the H200 (one length, c = 1 / 16 /
+    64 / 256), the budget drafted on 1 / 55 / 2 / 1 % of the second round's decisions with 64 samples and 1 / 28 /
+    8 / 1 % with 32, and its throughput at c = 64 and 256 was 0.93 and 0.92 of plain decoding's against 0.64 and
+    0.79. The price: an arm that is only probed (3 to 5 samples a probe) keeps probes from a level before; at c = 16
+    those were taken while joining prompts went unfiled and kept drafting ahead for most of the next level."""
+
+    def __init__(self, window: int = 64, max_seconds: float = 10.0, min_trim: int = 3, recent: int = 16,
+                 ref_len: int = 8):
+        self.window = window
+        self.min_trim = min_trim
+        self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
+        self.windows: dict[tuple[int, Arm], _Window] = {}
+        # the windows' samples, their produced tokens and (drift: `corrected_throughput`) their references: the other
+        # arm's mean seconds over its last `ref_len` samples where that arm was filed within the bucket's last
+        # `recent` samples, else None
+        self.samples: dict[tuple[int, Arm], deque[float]] = {}
+        self.tokens: dict[tuple[int, Arm], deque[int | None]] = {}
+        self.refs: dict[tuple[int, Arm], deque[float | None]] = {}
+        self.recent, self.ref_len = recent, ref_len
+        self.num_filed: dict[int, int] = {}  # per bucket, the samples filed so far (both arms)
+        self.newest: dict[tuple[int, Arm], int] = {}  # per key, that count at its newest sample
+
+    def observe(self, num_reqs: int, arm: Arm, seconds: float, tokens: int | None = None) -> None:
+        if not 0.0 < seconds <= self.max_seconds:
+            return
+        bucket = bucket_of(num_reqs)
+        key, other = (bucket, arm), (bucket, OTHER_ARM[arm])
+        n = self.num_filed[bucket] = self.num_filed.get(bucket, 0) + 1
+        ref = self._recent_seconds(other) if n - self.newest.get(other, -self.recent) <= self.recent else None
+        w = self.windows.get(key)
+        if w is None:
+            w = self.windows[key] = _Window(self.window, self.ref_len)
+            self.samples[key], self.tokens[key], self.refs[key] = w.seconds, w.tokens, w.refs
+        w.add(seconds, tokens, ref)
+        self.newest[key] = n
+
+    def _recent_seconds(self, key: tuple[int, Arm]) -> float | None:
+        """The mean seconds of the key's last `ref_len` samples (None: none)."""
+        w = self.windows.get(key)
+        return w.recent_sum / min(len(w.seconds), self.ref_len) if w is not None and w.seconds else None
+
+    def count(self, num_reqs: int, arm: Arm) -> int:
+        w = self.windows.get((bucket_of(num_reqs), arm))
+        return len(w.seconds) if w is not None else 0
+
+    def seconds(self, num_reqs: int, arm: Arm) -> float | None:
+        w = self.windows.get((bucket_of(num_reqs), arm))
+        if w is None or not w.seconds:
+            return None
+        n = len(w.seconds)
+        if n >= self.min_trim:
+            return (w.sum_seconds - w.top()[0]) / (n - 1)
+        return w.sum_seconds / n
+
+    def throughput(self, num_reqs: int, arm: Arm) -> float | None:
+        """Produced tokens per second of the arm's samples (the longest dropped, as in `seconds`); None unless
+        every sample has its tokens. O(1): the budget asks on every step (a c = 1 step has ~450 us of host time
+        in all on the H200)."""
+        w = self.windows.get((bucket_of(num_reqs), arm))
+        if w is None or not w.seconds or w.missing:
+            return None
+        tokens, seconds = w.sum_tokens, w.sum_seconds
+        if len(w.seconds) >= self.min_trim:
+            top = w.top()
+            tokens, seconds = tokens - top[1], seconds - top[0]
+        return tokens / max(seconds, 1e-12)
+
+    def corrected_throughput(self, num_reqs: int, arm: Arm) -> float | None:
+        """`throughput`, each sample taken beside the other arm (a probe's, and the steps just after one) timed at
+        the host's speed now: its seconds x the other arm's mean step now / its mean step then (the sample's
+        reference; both over that arm's last `ref_len` samples). Samples without a reference count as measured
+        (the arm ran on its own: they are recent where the arm is the one chosen). Step seconds, not tokens per
+        second, carry the drift: a drafting step's tokens move with acceptance (1 to 8 at c = 1 on the demo
+        pair), its seconds by a few % at one host speed. O(1) a call past the first after the arm's newest sample.
+
+        Why: the host's speed moves while the engine runs. On the H200 demo pair a fixed pure-Python workload took
+        2.1 to 5.9 ms from one level of `bench offline` to the next, and every host phase of a step moved with it.
+        The arm not chosen is sampled only by probes, so its samples can be levels older than the chosen arm's: at
+        c = 16 drafting's 7 samples, taken while a plain step took 1.12 ms (a drafting one 2.6 ms), were compared
+        with plain decoding's of a slower stretch (1.3 ms a step); drafting led by 5-16 %, and the budget drafted on
+        43 % of the steps of a level that plain decoding ran 1.18x faster. A probe pairs the two arms within a few
+        steps: its samples' ratio to the other arm then is what the drift leaves alone."""
+        bucket = bucket_of(num_reqs)
+        w = self.windows.get((bucket, arm))
+        if w is None or not w.seconds or w.missing:
+            return None
+        now = self._recent_seconds((bucket, OTHER_ARM[arm]))
+        if not w.num_paired or not now:
+            return self.throughput(num_reqs, arm)  # nothing paired: as measured
+        tokens, seconds = w.sum_tokens, w.paired * now + w.alone
+        if len(w.seconds) >= self.min_trim:  # drop the longest sample, as `throughput` does (at the speed now)
+            top_paired, top_alone = w.top_paired(), w.top_alone()
+            drop = max((top_paired[0] * now, top_paired[1]), top_alone)
+            tokens, seconds = tokens - drop[1], seconds - drop[0]
+        return tokens / max(seconds, 1e-12)
+
+
+class _Window:
+    """One (request-count bucket, arm)'s last samples with their running sums, so that a sample and a question
+    cost O(1): a window's longest sample is looked for again only after the one that held it has left. Each
+    sample: (seconds, produced tokens or None, reference seconds or None: `StepTimes.corrected_throughput`)."""
+
+    def __init__(self, size: int, recent: int):
+        self.recent = recent
+        self.recent_sum = 0.0  # the last `recent` samples' seconds, summed
+        self.seconds: deque[float] = deque(maxlen=size)
+        self.tokens: deque[int | None] = deque(maxlen=size)
+        self.refs: deque[float | None] = deque(maxlen=size)
+        self.sum_seconds = 0.0
+        self.sum_tokens = 0
+        self.missing = 0  # samples without tokens
+        self.num_paired = 0  # samples with a reference
+        self.paired = 0.0  # their seconds / reference, summed
+        self.alone = 0.0  # the others' seconds, summed
+        # (seconds, tokens) of the longest sample, of the paired one with the most seconds / reference (that
+        # ratio, tokens) and of the longest other one; None: to be looked for
+        self._top: tuple[float, int] | None = (0.0, 0)
+        self._top_paired: tuple[float, int] | None = (0.0, 0)
+        self._top_alone: tuple[float, int] | None = (0.0, 0)
+
+    def add(self, seconds: float, tokens: int | None, ref: float | None) -> None:
+        if len(self.seconds) >= self.recent:
+            self.recent_sum -= self.seconds[-self.recent]
+        if len(self.seconds) == self.seconds.maxlen:
+            self._leave(self.seconds[0], self.tokens[0], self.refs[0])
+        self.recent_sum += seconds
+        self.seconds.append(seconds)
+        self.tokens.append(tokens)
+        self.refs.append(ref)
+        tok = tokens or 0
+        self.sum_seconds += seconds
+        self.sum_tokens += tok
+        self.missing += tokens is None
+        if self._top is not None:
+            self._top = max(self._top, (seconds, tok))
+        if ref:
+            self.num_paired += 1
+            self.paired += seconds / ref
+            if self._top_paired is not None:
+                self._top_paired = max(self._top_paired, (seconds / ref, tok))
+        else:
+            self.alone += seconds
+            if self._top_alone is not None:
+                self._top_alone = max(self._top_alone, (seconds, tok))
+
+    def _leave(self, seconds: float, tokens: int | None, ref: float | None) -> None:
+        tok = tokens or 0
+        self.sum_seconds -= seconds
+        self.sum_tokens -= tok
+        self.missing -= tokens is None
+        if self._top == (seconds, tok):
+            self._top = None
+        if ref:
+            self.num_paired -= 1
+            self.paired -= seconds / ref
+            if self._top_paired == (seconds / ref, tok):
+                self._top_paired = None
+        else:
+            self.alone -= seconds
+            if self._top_alone == (seconds, tok):
+                self._top_alone = None
+
+    def top(self) -> tuple[float, int]:
+        if self._top is None:
+            self._top = max(zip(self.seconds, (t or 0 for t in self.tokens)), default=(0.0, 0))
+        return self._top
+
+    def top_paired(self) -> tuple[float, int]:
+        if self._top_paired is None:
+            self._top_paired = max(((s / r, t or 0) for s, t, r in zip(self.seconds, self.tokens, self.refs) if r),
+                                   default=(0.0, 0))
+        return self._top_paired
+
+    def top_alone(self) -> tuple[float, int]:
+        if self._top_alone is None:
+            self._top_alone = max(((s, t or 0) for s, t, r in zip(self.seconds, self.tokens, self.refs) if not r),
+                                  default=(0.0, 0))
+        return self._top_alone
+
+
+class JoinCosts:
+    """What requests joining cost each arm: per (request-count bucket, arm), the seconds the last `window` steps
+    that carried prompt chunks took over the arm's step without one (`StepTimes.seconds` when filed), per chunk;
+    and, over both arms, the chunks per produced token of the last `rate_window` steps (one per request for
+    prompts that fit one step: 1 / the mean output length).
+
+    Why a term of its own: a joining request costs the arms differently, and how often one joins depends on the arm.
+    On the H200 demo pair at c = 16 (output 64), a DSpark step that carried a prompt took 4.5 ms against 2.9 ms
+    without (its prompt part is a second graph, with the drafter), a plain one 1.5 against 1.3 ms. Plain decoding
+    of one length in lockstep takes all 16 prompts in one step every 64 steps; drafting desynchronises the batch,
+    and a request joins on a third of its steps. The arm's steps without a prompt, where drafting was probed,
+    read 14-15 k tok/s for drafting and 12-13 k for plain decoding, while they ran at 10.8-11.5 k and 12.9-14.0 k.
+    So `VerificationBudget` compares tokens per second with this cost spread over the tokens:
+        Theta_arm = 1 / (1 / Theta_arm without joins + cost per chunk_arm * chunks per token)."""
+
+    def __init__(self, window: int = 32, rate_window: int = 512):
+        self.window = window
+        self.extra: dict[tuple[int, Arm], deque[tuple[float, int]]] = {}
+        self._per_chunk: dict[tuple[int, Arm], float | None] = {}
+        self.rates: deque[tuple[int, int]] = deque(maxlen=rate_window)  # (chunks, tokens) per step
+        self._chunks = self._tokens = 0  # sums over `rates`
+
+    def observe(self, num_reqs: int, arm: Arm, extra_seconds: float, num_chunks: int) -> None:
+        key = (bucket_of(num_reqs), arm)
+        self.extra.setdefault(key, deque(maxlen=self.window)).append((extra_seconds, num_chunks))
+        self._per_chunk.pop(key, None)
+
+    def per_chunk(self, num_reqs: int, arm: Arm) -> float | None:
+        """Extra seconds per chunk in the arm's steps that carried one (>= 0; None: none seen in the bucket)."""
+        key = (bucket_of(num_reqs), arm)
+        if key not in self._per_chunk:
+            d = self.extra.get(key)
+            self._per_chunk[key] = None if not d else max(
+                0.0, math.fsum(e for e, _ in d) / max(sum(n for _, n in d), 1))
+        return self._per_chunk[key]
+
+    def note_rate(self, num_chunks: int, num_tokens: int) -> None:
+        if len(self.rates) == self.rates.maxlen:
+            old_chunks, old_tokens = self.rates[0]
+            self._chunks -= old_chunks
+            self._tokens -= old_tokens
+        self.rates.append((num_chunks, num_tokens))
+        self._chunks += num_chunks
+        self._tokens += num_tokens
+
+    def chunks_per_token(self) -> float:
+        return self._chunks / self._tokens if self._tokens else 0.0
