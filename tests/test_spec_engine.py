@@ -175,7 +175,8 @@ def test_an_idle_engine_files_no_step_with_the_wait(setup, tmp_path):
     """The engine tells the adaptive budget when its last request has finished (`VerificationBudget.idle`), so the
     5 s before the next batch arrives is no step's wall time. The budget's clock is a fake one that advances 1 ms
     per read: every step filed is a few ms whatever the host's speed; without the engine's call, the step before
-    the wait would be filed at ~5 s (under `StepTimes.max_seconds`)."""
+    the wait would be filed at ~5 s (under `StepTimes.max_seconds`); so would the one after a last request that
+    is aborted (a server steps no more then)."""
     cfg, model, tensors, prompts, params, _ = setup
     ec = EngineConfig(max_num_seqs=4, speculative="dspark", num_spec_tokens=3, spec_budget="adaptive",
                       cost_cache_dir=str(tmp_path), max_num_batched_tokens=64)
@@ -194,5 +195,11 @@ def test_an_idle_engine_files_no_step_with_the_wait(setup, tmp_path):
     eng.generate(prompts[:4], params[:4])
     clock.now += 5.0
     eng.generate(prompts[4:8], params[4:8])
+    eng.add_request(prompts[8], params[8], request_id="aborted")  # a server's last request, aborted mid-way
+    for _ in range(3):
+        eng.step()
+    assert eng.abort_request("aborted") and not eng.has_unfinished()
+    clock.now += 5.0
+    eng.generate(prompts[9:11], params[9:11])
     filed = [e["ms"] for e in budget.trace if e.get("filed") or e.get("joined")]
     assert len(filed) > 10 and max(filed) < 10.0

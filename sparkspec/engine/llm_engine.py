@@ -228,6 +228,7 @@ class LLMEngine:
         if not seq.is_finished:
             self.stats.num_aborted += 1
         self.scheduler.abort(seq)
+        self.note_idle()  # (a server steps no more once nothing is left: the wait would land on the step before)
         return True
 
     def has_unfinished(self) -> bool:
@@ -238,9 +239,13 @@ class LLMEngine:
         """One engine step (`take_step`). A step that leaves no request behind tells the adaptive budget that the
         engine is idle (`VerificationBudget.idle`): the wait for the next request is no step's time."""
         outputs = self.take_step()
+        self.note_idle()
+        return outputs
+
+    def note_idle(self) -> None:
+        """Tell the adaptive budget when no request is left (after a step, or an abort)."""
         if self.spec is not None and self.spec.budget is not None and not self.has_unfinished():
             self.spec.budget.idle()
-        return outputs
 
     def take_step(self) -> list[RequestOutput]:
         """schedule -> choose drafts -> execute (verify, accept, propose; one copy back) -> commit -> free -> emit.
