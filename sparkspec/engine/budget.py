@@ -291,7 +291,7 @@ class VerificationBudget:
         self.trusted_margin = trusted_margin  # drafting's measured lead over the table's plain: no first probes
         # the arm not chosen is probed once its newest sample is this many seconds old (and `probe_every` decisions
         # have passed), whatever its backoff: the host's speed moves on that scale (on the H200 a fixed workload
-        # took 2.1 to 5.9 ms from one second to the next), and a drafting step, bound by the device, moves less
+        # took 1.8 to 6.0 ms from one level to the next), and a drafting step, bound by the device, moves less
         # with it than a plain one, bound by the host, so `StepTimes.corrected_throughput` cannot carry all of it.
         # Decisions count the engine's steps only: across the levels of `bench offline` (or a server's quiet
         # spells) an arm's samples grew seconds old in a few hundred decisions, and at c = 1 drafting was chosen

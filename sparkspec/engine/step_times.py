@@ -145,14 +145,14 @@ class StepTimes:
         reference; both over that arm's last `ref_len` samples). Samples without a reference count as measured
         (the arm ran on its own: they are recent where the arm is the one chosen). Step seconds, not tokens per
         second, carry the drift: a drafting step's tokens move with acceptance (1 to 8 at c = 1 on the demo
-        pair), its seconds by a few % at one host speed. O(1) a call past the first after the arm's newest sample.
+        pair), its seconds by a few % at one host speed. O(1) (`_Window`).
 
         Why: the host's speed moves while the engine runs. On the H200 demo pair a fixed pure-Python workload took
-        2.1 to 5.9 ms from one level of `bench offline` to the next, and every host phase of a step moved with it.
-        The arm not chosen is sampled only by probes, so its samples can be levels older than the chosen arm's: at
-        c = 16 drafting's 7 samples, taken while a plain step took 1.12 ms (a drafting one 2.6 ms), were compared
-        with plain decoding's of a slower stretch (1.3 ms a step); drafting led by 5-16 %, and the budget drafted on
-        43 % of the steps of a level that plain decoding ran 1.18x faster. A probe pairs the two arms within a few
+        1.8 to 6.0 ms from one level of `bench offline` to the next, and every host phase of a step moved with it.
+        The arm not chosen is sampled only by probes, so its samples can be levels older than the chosen arm's: in a
+        trace at c = 16 drafting's 7 samples, taken while a plain step took 1.12 ms (a drafting one 2.6 ms), were
+        compared with plain decoding's of a slower stretch (1.3 ms a step); drafting led by 5-16 %, and the budget
+        drafted on 43 % of the steps of a level that plain decoding ran 1.18x faster. A probe pairs the two arms within a few
         steps: its samples' ratio to the other arm then is what the drift leaves alone."""
         bucket = bucket_of(num_reqs)
         w = self.windows.get((bucket, arm))
