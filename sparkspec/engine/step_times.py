@@ -152,8 +152,8 @@ class StepTimes:
         The arm not chosen is sampled only by probes, so its samples can be levels older than the chosen arm's: in a
         trace at c = 16 drafting's 7 samples, taken while a plain step took 1.12 ms (a drafting one 2.6 ms), were
         compared with plain decoding's of a slower stretch (1.3 ms a step); drafting led by 5-16 %, and the budget
-        drafted on 43 % of the steps of a level that plain decoding ran 1.18x faster. A probe pairs the two arms within a few
-        steps: its samples' ratio to the other arm then is what the drift leaves alone."""
+        drafted on 43 % of the steps of a level that plain decoding ran 1.18x faster. A probe pairs the two arms
+        within a few steps: its samples' ratio to the other arm then is what the drift leaves alone."""
         bucket = bucket_of(num_reqs)
         w = self.windows.get((bucket, arm))
         if w is None or not w.seconds or w.missing:
