@@ -151,7 +151,11 @@ def test_bench_offline_output_len_ratio(tiny_checkpoint, tmp_path):
     assert main(args) == 0
     rows = json.loads((tmp_path / "b.json").read_text())["results"]
     assert [r["output_tokens"] for r in rows] == [sum(output_lengths(6, 8, 0.5))] * 2
+    assert not any("host_calib_us" in r for r in rows)
     assert main(args[:-2] + ["--output-len-ratio", "1.5"]) == 2
+    assert main(args + ["--calibrate-host"]) == 0  # the host's speed around every level
+    rows = json.loads((tmp_path / "b.json").read_text())["results"]
+    assert all(len(r["host_calib_us"]) == 2 and min(r["host_calib_us"]) > 0 for r in rows)
 
 
 def test_env_lists_every_op(capsys):

@@ -234,3 +234,18 @@ class HostProfiler:
             "gc_collections": list(self.gc_counts),
             "gc_full_ms": round(1e3 * self.gc_seconds[2] / max(self.gc_counts[2], 1), 2),
         }
+
+
+def host_speed_us(repeats: int = 5, size: int = 20_000) -> float:
+    """The best of `repeats` timings of a fixed pure-Python workload (a dict of `size` small lists built and read
+    back), in µs: how fast the host runs Python right now. `bench offline --calibrate-host` times it before and after
+    every level. On the H200's host it took 1.8 to 6.0 ms from one level to the next, and a level's tokens per
+    second moved with it (every phase of a step is Python on the host): compare levels whose calibrations agree."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        d = {i: [i, i + 1] for i in range(size)}
+        sum(len(v) for v in d.values())
+        best = min(best, time.perf_counter() - t0)
+    return round(1e6 * best, 1)
+

@@ -191,6 +191,11 @@ def measure_level(args, work: Workload, engine, setting: Setting, c: int, startu
         budget.trace = []  # this level's decisions and filed steps
     ratio = getattr(args, "output_len_ratio", 0.0)
     lengths = output_lengths(n, args.output_len, ratio) if ratio else None  # None: every request asks `params`
+    calibrate = getattr(args, "calibrate_host", False)
+    if calibrate:
+        from sparkspec.bench.host_profile import host_speed_us
+
+        before = host_speed_us()
     r = run_level(engine, prompt_ids, c, n, work.params, setting.method, k, args.profile_host, lengths)
     row = summarize(setting.label, c, r["timings"], r["duration"], r["spec"])
     # what a row's speed also depends on: the KV blocks this engine got, preemptions in the level, and the
@@ -203,6 +208,8 @@ def measure_level(args, work: Workload, engine, setting: Setting, c: int, startu
     queried = engine.stats.num_prefix_cache_queries - queried  # this level's prompt tokens: the share
     row["prefix_cache_hit_rate"] = round((engine.stats.num_prefix_cache_hits - hit) / max(queried, 1), 4)
     row["engine_startup_s"] = round(startup, 2)
+    if calibrate:  # the host's speed around the level (`host_speed_us`: lower is faster)
+        row["host_calib_us"] = [before, host_speed_us()]
     if setting.method != "none":  # steps whose drafter ran (the adaptive budget's drafting arm)
         steps, skipped = engine.stats.num_steps - steps, engine.stats.num_drafter_skipped_steps - skipped
         row["drafting_step_frac"] = round(1 - skipped / max(steps, 1), 3)
@@ -213,6 +220,8 @@ def measure_level(args, work: Workload, engine, setting: Setting, c: int, startu
         row.update(r["host_profile"])
         extra = (f"  host {row['host_us_per_step']:.0f} us/step {row['host_us_per_req']:.1f} us/req"
                  f"  busy {row['device_busy_frac']:.2f}")
+    if calibrate:
+        extra += f"  host calib {row['host_calib_us'][0]:.0f}/{row['host_calib_us'][1]:.0f} us"
     print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}"
           f"  prefix hits {row['prefix_cache_hit_rate']:.3f}"
           + (f"  drafting {row['drafting_step_frac']:.2f}" if "drafting_step_frac" in row else "") + extra,
@@ -358,6 +367,9 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
                    help=NO_ASYNC_SCHEDULING_HELP)
     p.add_argument("--profile-host", action="store_true",
                    help="time the engine's step pieces: host us per step / per request, device-busy fraction")
+    p.add_argument("--calibrate-host", action="store_true",
+                   help="time a fixed pure-Python workload before and after every level (rows' host_calib_us, in "
+                        "us: lower is faster); on a shared host its speed moves, and tokens per second with it")
     p.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="leave the start-up heap in Python's cyclic collector (by default it is frozen once the engine "
                         "is built, as the server does: `engine.llm.freeze_startup_heap`)")
