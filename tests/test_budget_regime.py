@@ -506,7 +506,7 @@ def test_reads_within_one_step_add_up():
     budget.note_tokens(4)
     budget.note_tokens(3)
     budget.step_boundary()
-    assert list(budget.step_times.tokens[(bucket_of(4), "plain")]) == [7]
+    assert list(budget.step_times.windows[(bucket_of(4), "plain")].tokens) == [7]
     assert budget.step_times.throughput(4, "plain") == pytest.approx(7 / 0.002)
 
 
@@ -630,7 +630,7 @@ def test_samples_taken_beside_the_other_arm_are_timed_at_the_hosts_speed_now():
     for arm, n, sec in (("plain", 4, 0.001), ("spec", 40, 0.002), ("plain", 64, 0.004)):
         for _ in range(n):
             alone.observe(16, arm, sec, 16)
-    assert list(alone.refs[(bucket_of(16), "spec")]).count(None) == 40 - 16
+    assert list(alone.windows[(bucket_of(16), "spec")].refs).count(None) == 40 - 16
     paired_then, unpaired = 16 * 0.002 * 16000 / 4000, 24 * 0.002  # 16 samples paired with plain's 16 k tokens/s
     longest = 0.002 * 16000 / 4000
     want = 39 * 16 / (paired_then + unpaired - longest)

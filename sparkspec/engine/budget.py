@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sparkspec.engine.step_times import ARMS, Arm, GCClock, JoinCosts, StepTimes, bucket_of
+from sparkspec.engine.step_times import ARMS, OTHER_ARM, Arm, GCClock, JoinCosts, StepTimes, bucket_of
 
 BudgetMode = Literal["adaptive", "fixed"]
 BUDGET_MODES = ("adaptive", "fixed")
@@ -486,7 +486,7 @@ class VerificationBudget:
             return None
         cost = self.join_costs.per_chunk(num_reqs, arm)
         if cost is None:
-            other: Arm = "plain" if arm == "spec" else "spec"
+            other = OTHER_ARM[arm]
             cost = self.join_costs.per_chunk(num_reqs, other)
             if cost is not None:  # (the step times are asked only then: a mean over the window each)
                 mine, theirs = self.step_times.seconds(num_reqs, arm), self.step_times.seconds(num_reqs, other)
@@ -542,7 +542,7 @@ class VerificationBudget:
         if st.last_start < 0 and st.num_started == 0:
             st.last_start = st.num_decisions  # a new bucket's first regular probe waits its interval too
         if not st.left and not has_prompt:
-            other: Arm = "plain" if best == "spec" else "spec"
+            other = OTHER_ARM[best]
             since = st.num_decisions - st.last_start
             # until the arm has the samples that let its slowest one be dropped (the first after a switch of arm
             # is often slow: on the H200 demo pair at c = 64, 4.1 ms against 2.0 for plain decoding's next two)

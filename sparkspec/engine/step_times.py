@@ -83,13 +83,10 @@ class StepTimes:
         self.window = window
         self.min_trim = min_trim
         self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
+        # per (bucket, arm): the samples, their produced tokens and (drift: `corrected_throughput`) their
+        # references: the other arm's mean seconds over its last `ref_len` samples where that arm was filed within
+        # the bucket's last `recent` samples, else None
         self.windows: dict[tuple[int, Arm], _Window] = {}
-        # the windows' samples, their produced tokens and (drift: `corrected_throughput`) their references: the other
-        # arm's mean seconds over its last `ref_len` samples where that arm was filed within the bucket's last
-        # `recent` samples, else None
-        self.samples: dict[tuple[int, Arm], deque[float]] = {}
-        self.tokens: dict[tuple[int, Arm], deque[int | None]] = {}
-        self.refs: dict[tuple[int, Arm], deque[float | None]] = {}
         self.recent, self.ref_len = recent, ref_len
         self.num_filed: dict[int, int] = {}  # per bucket, the samples filed so far (both arms)
         self.newest: dict[tuple[int, Arm], int] = {}  # per key, that count at its newest sample
@@ -104,7 +101,6 @@ class StepTimes:
         w = self.windows.get(key)
         if w is None:
             w = self.windows[key] = _Window(self.window, self.ref_len)
-            self.samples[key], self.tokens[key], self.refs[key] = w.seconds, w.tokens, w.refs
         w.add(seconds, tokens, ref)
         self.newest[key] = n
 
@@ -174,9 +170,9 @@ class _Window:
     cost O(1): a window's longest sample is looked for again only after the one that held it has left. Each
     sample: (seconds, produced tokens or None, reference seconds or None: `StepTimes.corrected_throughput`)."""
 
-    def __init__(self, size: int, recent: int):
-        self.recent = recent
-        self.recent_sum = 0.0  # the last `recent` samples' seconds, summed
+    def __init__(self, size: int, ref_len: int):
+        self.ref_len = ref_len
+        self.recent_sum = 0.0  # the last `ref_len` samples' seconds, summed
         self.seconds: deque[float] = deque(maxlen=size)
         self.tokens: deque[int | None] = deque(maxlen=size)
         self.refs: deque[float | None] = deque(maxlen=size)
@@ -193,8 +189,8 @@ class _Window:
         self._top_alone: tuple[float, int] | None = (0.0, 0)
 
     def add(self, seconds: float, tokens: int | None, ref: float | None) -> None:
-        if len(self.seconds) >= self.recent:
-            self.recent_sum -= self.seconds[-self.recent]
+        if len(self.seconds) >= self.ref_len:
+            self.recent_sum -= self.seconds[-self.ref_len]
         if len(self.seconds) == self.seconds.maxlen:
             self._leave(self.seconds[0], self.tokens[0], self.refs[0])
         self.recent_sum += seconds
