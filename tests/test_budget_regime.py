@@ -631,10 +631,60 @@ def test_samples_taken_beside_the_other_arm_are_timed_at_the_hosts_speed_now():
         for _ in range(n):
             alone.observe(16, arm, sec, 16)
     assert list(alone.windows[(bucket_of(16), "spec")].refs).count(None) == 40 - 16
-    paired_then, unpaired = 16 * 0.002 * 16000 / 4000, 24 * 0.002  # 16 samples paired with plain's 16 k tokens/s
-    longest = 0.002 * 16000 / 4000
-    want = 39 * 16 / (paired_then + unpaired - longest)
-    assert alone.corrected_throughput(16, "spec") == pytest.approx(want)
+    assert alone.probed_arm(16) == "spec"  # plain decoding holds the bucket's last samples
+    assert alone.corrected_throughput(16, "spec") == pytest.approx(16 / 0.002)  # its last samples, as measured
+
+
+def test_a_probed_arm_is_timed_by_its_last_samples():
+    """The arm the budget only probes is timed by its last `ref_len` samples, its tokens per step by its window;
+    the arm that runs keeps its window. A tie between the arms (or nothing filed) probes neither."""
+    st = StepTimes()
+    assert st.probed_arm(16) is None
+    for _ in range(64):
+        st.observe(16, "plain", 0.002, 16)  # a long stretch on a slow host
+    for _ in range(16):
+        st.observe(16, "spec", 0.004, 40)
+    assert st.probed_arm(16) == "plain"
+    for _ in range(2):  # a probe on a fast host: paired with drafting's 4 ms now, so as measured
+        st.observe(16, "plain", 0.001, 16)
+    assert st.probed_arm(16) == "plain"
+    recent = (6 * 0.002 + 2 * 0.001 - 0.002) / 7  # the last 8, the longest left out
+    assert st.corrected_throughput(16, "plain") == pytest.approx(16 / recent)
+    now = (6 * 0.002 + 2 * 0.001) / 8  # the running arm keeps its window, each sample timed at plain's mean now
+    assert st.corrected_throughput(16, "spec") == pytest.approx(40 / (0.004 * now / 0.002))
+    tie = StepTimes(recent=4)
+    for arm in ("plain", "spec", "plain", "spec"):
+        tie.observe(16, arm, 0.001, 16)
+    assert tie.probed_arm(16) is None
+
+
+@pytest.mark.parametrize("recent_only", [True, False])
+def test_a_probe_on_a_faster_host_is_not_drowned_by_the_stretch_before(recent_only, monkeypatch):
+    """c = 1 on the H200 demo pair, where a plain step is bound by the host and a drafting one (2.5 tokens) by the
+    device. Plain decoding leads and runs (0.8 ms a step against drafting's 2.45 ms); the host slows (plain 1.2 ms)
+    and plain decoding runs on; then the host runs faster than ever (plain 0.67 ms, drafting 2.15 ms: plain leads
+    by 1.28x). Drafting's probe samples, paired with plain steps of 1.2 ms, now count at 1.37 ms (the drift
+    correction moves them with the host, which a device-bound step does not follow), and the budget drafts.
+    Plain decoding's probes then take 0.67 ms: timed by its last samples it is chosen again within a few probes;
+    timed by its window (the probes' samples against up to 62 of the slow stretch) it stays behind for good."""
+    if not recent_only:
+        monkeypatch.setattr(StepTimes, "probed_arm", lambda self, num_reqs: None)
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, max_age=float("inf"))
+    accepting(budget, 2)
+
+    def seconds(n, verified, proposed):
+        if verified or proposed:
+            return 0.00215 if n >= 1500 else 0.00245
+        return 0.00067 if n >= 1500 else 0.0012 if n >= 300 else 0.0008
+
+    ks = run_loop(budget, clock, 1, seconds, 2600, tokens=lambda n, v, p: 2 + n % 2 if (v or p) else 1)
+    assert sum(k > 0 for k in ks[:1500]) <= 40  # plain decoding runs: probes only
+    late = sum(k > 0 for k in ks[1700:])
+    if recent_only:
+        assert late <= 30, late  # probes only
+    else:
+        assert late > 800, late
 
 
 @pytest.mark.parametrize("correct", [True, False])
@@ -657,7 +707,7 @@ def test_a_slower_host_does_not_make_the_older_arm_look_faster(correct, monkeypa
     if correct:
         assert slow <= 2 * budget.probe_len  # probes only
     else:
-        assert slow > 20
+        assert slow > 4 * budget.probe_len
 
 
 def test_drafting_acceptance_noise_does_not_move_the_plain_arm():

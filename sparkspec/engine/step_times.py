@@ -11,6 +11,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from typing import Literal
 
 
@@ -90,6 +91,9 @@ class StepTimes:
         self.recent, self.ref_len = recent, ref_len
         self.num_filed: dict[int, int] = {}  # per bucket, the samples filed so far (both arms)
         self.newest: dict[tuple[int, Arm], int] = {}  # per key, that count at its newest sample
+        # per bucket, the arms of its last `recent` samples and how many of them are drafting's (`probed_arm`)
+        self.last_arms: dict[int, deque[Arm]] = {}
+        self.last_spec: dict[int, int] = {}
 
     def observe(self, num_reqs: int, arm: Arm, seconds: float, tokens: int | None = None) -> None:
         if not 0.0 < seconds <= self.max_seconds:
@@ -103,6 +107,23 @@ class StepTimes:
             w = self.windows[key] = _Window(self.window, self.ref_len)
         w.add(seconds, tokens, ref)
         self.newest[key] = n
+        arms = self.last_arms.get(bucket)
+        if arms is None:
+            arms = self.last_arms[bucket] = deque(maxlen=self.recent)
+        if len(arms) == self.recent:
+            self.last_spec[bucket] -= arms[0] == "spec"
+        arms.append(arm)
+        self.last_spec[bucket] = self.last_spec.get(bucket, 0) + (arm == "spec")
+
+    def probed_arm(self, num_reqs: int) -> Arm | None:
+        """The arm that holds fewer of the bucket's last `recent` samples (None: a tie, or none filed): the one
+        the budget only probes, while the other runs."""
+        bucket = bucket_of(num_reqs)
+        arms = self.last_arms.get(bucket)
+        if not arms:
+            return None
+        spec = self.last_spec[bucket]
+        return None if 2 * spec == len(arms) else "spec" if 2 * spec < len(arms) else "plain"
 
     def _recent_seconds(self, key: tuple[int, Arm]) -> float | None:
         """The mean seconds of the key's last `ref_len` samples (None: none)."""
@@ -141,7 +162,7 @@ class StepTimes:
         reference; both over that arm's last `ref_len` samples). Samples without a reference count as measured
         (the arm ran on its own: they are recent where the arm is the one chosen). Step seconds, not tokens per
         second, carry the drift: a drafting step's tokens move with acceptance (1 to 8 at c = 1 on the demo
-        pair), its seconds by a few % at one host speed. O(1) (`_Window`).
+        pair), its seconds by a few % at one host speed. O(1) (`_Window`), O(`ref_len`) for a probed arm.
 
         Why: the host's speed moves while the engine runs. On the H200 demo pair a fixed pure-Python workload took
         1.8 to 6.0 ms from one level of `bench offline` to the next, and every host phase of a step moved with it.
@@ -149,12 +170,24 @@ class StepTimes:
         trace at c = 16 drafting's 7 samples, taken while a plain step took 1.12 ms (a drafting one 2.6 ms), were
         compared with plain decoding's of a slower stretch (1.3 ms a step); drafting led by 5-16 %, and the budget
         drafted on 43 % of the steps of a level that plain decoding ran 1.18x faster. A probe pairs the two arms
-        within a few steps: its samples' ratio to the other arm then is what the drift leaves alone."""
+        within a few steps: its samples' ratio to the other arm then is what the drift leaves alone.
+
+        The arm only probed (`probed_arm`) is timed by its last `ref_len` samples, not its window: the window
+        holds what the arm measured when it last ran (up to 64 samples), and a probe adds two. The other arm's
+        seconds do not carry all of the drift to those older samples: a plain step is bound by the host and a
+        drafting one, at small batches, by the device. On the H200 demo pair at c = 1 plain decoding ran its
+        stretch at 1.2 ms a step on a slow host, and its later probes took 0.61-0.69 ms while drafting's step
+        moved from 2.45 to 2.15 ms; the window, 2 probe samples against 62 of the stretch, read plain decoding at
+        ~900 tokens a second against drafting's 1,150, and the budget drafted for three levels that plain
+        decoding ran at 1.06x. Its tokens per step (acceptance, not the host) still come from the whole window."""
         bucket = bucket_of(num_reqs)
         w = self.windows.get((bucket, arm))
         if w is None or not w.seconds or w.missing:
             return None
         now = self._recent_seconds((bucket, OTHER_ARM[arm]))
+        if self.probed_arm(num_reqs) == arm:
+            seconds = w.recent_step_seconds(now, self.min_trim)
+            return w.sum_tokens / len(w.seconds) / max(seconds, 1e-12)
         if not w.num_paired or not now:
             return self.throughput(num_reqs, arm)  # nothing paired: as measured
         tokens, seconds = w.sum_tokens, w.paired * now + w.alone
@@ -229,6 +262,17 @@ class _Window:
             self.alone -= seconds
             if self._top_alone == (seconds, tok):
                 self._top_alone = None
+
+    def recent_step_seconds(self, now: float | None, min_trim: int) -> float:
+        """Mean seconds of the last `ref_len` samples, each with a reference timed at `now` (the other arm's
+        mean step now; None: as measured), the longest left out once there are `min_trim`."""
+        m = min(self.ref_len, len(self.seconds))
+        vals = [s / r * now if r and now else s
+                for s, r in zip(islice(reversed(self.seconds), m), islice(reversed(self.refs), m))]
+        total = sum(vals)
+        if m >= min_trim:
+            total, m = total - max(vals), m - 1
+        return total / m
 
     def top(self) -> tuple[float, int]:
         if self._top is None:
