@@ -626,51 +626,52 @@ def test_samples_taken_beside_the_other_arm_are_timed_at_the_hosts_speed_now():
     for _ in range(3):  # a new probe at the host's speed now: its samples' reference is plain decoding now
         st.observe(16, "spec", 0.004, 40)
     assert st.corrected_throughput(16, "spec") == pytest.approx(10000)
-    alone = StepTimes()  # drafting sampled long after plain decoding last ran: the later samples have no reference
-    for arm, n, sec in (("plain", 4, 0.001), ("spec", 40, 0.002), ("plain", 64, 0.004)):
+    alone = StepTimes()  # drafting sampled long before plain decoding's samples: its own last ones, as measured
+    t = 0.0
+    for arm, n, sec, start in (("plain", 4, 0.001, 0.0), ("spec", 40, 0.002, 0.0), ("plain", 64, 0.004, 10.0)):
+        t = max(t, start)
         for _ in range(n):
-            alone.observe(16, arm, sec, 16)
+            t += sec
+            alone.observe(16, arm, sec, 16, at=t)
     assert list(alone.windows[(bucket_of(16), "spec")].refs).count(None) == 40 - 16
-    assert alone.probed_arm(16) == "spec"  # plain decoding holds the bucket's last samples
-    assert alone.corrected_throughput(16, "spec") == pytest.approx(16 / 0.002)  # its last samples, as measured
+    assert alone.corrected_throughput(16, "spec", now=t) == pytest.approx(16 / 0.002)
 
 
-def test_a_probed_arm_is_timed_by_its_last_samples():
-    """The arm the budget only probes is timed by its last `ref_len` samples, its tokens per step by its window;
-    the arm that runs keeps its window. A tie between the arms (or nothing filed) probes neither."""
+def test_an_arm_is_timed_by_its_young_samples():
+    """Each arm's step seconds come from its samples of the last `young` seconds, or its last `ref_len` where fewer
+    are that young; its tokens per step from its window. So an arm that runs again is timed by its new stretch,
+    not by the older one still in its window, and an arm only probed by its last probes."""
     st = StepTimes()
-    assert st.probed_arm(16) is None
-    for _ in range(64):
-        st.observe(16, "plain", 0.002, 16)  # a long stretch on a slow host
-    for _ in range(16):
-        st.observe(16, "spec", 0.004, 40)
-    assert st.probed_arm(16) == "plain"
-    for _ in range(2):  # a probe on a fast host: paired with drafting's 4 ms now, so as measured
-        st.observe(16, "plain", 0.001, 16)
-    assert st.probed_arm(16) == "plain"
-    recent = (6 * 0.002 + 2 * 0.001 - 0.002) / 7  # the last 8, the longest left out
-    assert st.corrected_throughput(16, "plain") == pytest.approx(16 / recent)
-    now = (6 * 0.002 + 2 * 0.001) / 8  # the running arm keeps its window, each sample timed at plain's mean now
-    assert st.corrected_throughput(16, "spec") == pytest.approx(40 / (0.004 * now / 0.002))
-    tie = StepTimes(recent=4)
-    for arm in ("plain", "spec", "plain", "spec"):
-        tie.observe(16, arm, 0.001, 16)
-    assert tie.probed_arm(16) is None
+    for i in range(64):  # a stretch on a slow host
+        st.observe(16, "plain", 0.002, 16, at=i * 0.002)
+    for i in range(16):
+        st.observe(16, "spec", 0.004, 40, at=1.0 + i * 0.004)
+    for i in range(2):  # a probe on a fast host, paired with drafting's 4 ms then and now: as measured
+        st.observe(16, "plain", 0.001, 16, at=2.0 + i * 0.001)
+    recent = (2 * 0.001 + 6 * 0.002 - 0.002) / 7  # too few young samples: the last 8, the longest left out
+    assert st.corrected_throughput(16, "plain", now=2.01) == pytest.approx(16 / recent)
+    now = (6 * 0.002 + 2 * 0.001) / 8  # drafting's samples, paired with plain's 2 ms steps, at plain's mean now
+    assert st.corrected_throughput(16, "spec", now=2.01) == pytest.approx(40 / (0.004 * now / 0.002))
+    for i in range(20):  # plain decoding runs again: its 20 young samples, not the 44 of the slow stretch
+        st.observe(16, "plain", 0.001, 16, at=3.0 + i * 0.001)
+    assert st.corrected_throughput(16, "plain", now=3.02) == pytest.approx(16 / 0.001)
+    assert st.corrected_throughput(16, "plain") == pytest.approx(  # no clock: every sample counts
+        16 / ((42 * 0.002 + 22 * 0.001 - 0.002) / 63))
 
 
-@pytest.mark.parametrize("recent_only", [True, False])
-def test_a_probe_on_a_faster_host_is_not_drowned_by_the_stretch_before(recent_only, monkeypatch):
+@pytest.mark.parametrize("young", [0.5, float("inf")])
+def test_a_probe_on_a_faster_host_is_not_drowned_by_the_stretch_before(young):
     """c = 1 on the H200 demo pair, where a plain step is bound by the host and a drafting one (2.5 tokens) by the
     device. Plain decoding leads and runs (0.8 ms a step against drafting's 2.45 ms); the host slows (plain 1.2 ms)
     and plain decoding runs on; then the host runs faster than ever (plain 0.67 ms, drafting 2.15 ms: plain leads
     by 1.28x). Drafting's probe samples, paired with plain steps of 1.2 ms, now count at 1.37 ms (the drift
     correction moves them with the host, which a device-bound step does not follow), and the budget drafts.
-    Plain decoding's probes then take 0.67 ms: timed by its last samples it is chosen again within a few probes;
-    timed by its window (the probes' samples against up to 62 of the slow stretch) it stays behind for good."""
-    if not recent_only:
-        monkeypatch.setattr(StepTimes, "probed_arm", lambda self, num_reqs: None)
+    Plain decoding's probes then take 0.67 ms: timed by its young samples (0.5 s) it is chosen again within a few
+    probes (300 steps); timed by its window (the probes' samples against up to 62 of the slow stretch) it stays
+    behind for good."""
     clock = FakeClock()
     budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, max_age=float("inf"))
+    budget.step_times.young = young
     accepting(budget, 2)
 
     def seconds(n, verified, proposed):
@@ -680,11 +681,11 @@ def test_a_probe_on_a_faster_host_is_not_drowned_by_the_stretch_before(recent_on
 
     ks = run_loop(budget, clock, 1, seconds, 2600, tokens=lambda n, v, p: 2 + n % 2 if (v or p) else 1)
     assert sum(k > 0 for k in ks[:1500]) <= 40  # plain decoding runs: probes only
-    late = sum(k > 0 for k in ks[1700:])
-    if recent_only:
-        assert late <= 30, late  # probes only
+    late = sum(k > 0 for k in ks[1800:])
+    if young < 1:
+        assert late <= 20, late  # probes only
     else:
-        assert late > 800, late
+        assert late > 700, late
 
 
 @pytest.mark.parametrize("correct", [True, False])
@@ -694,7 +695,7 @@ def test_a_slower_host_does_not_make_the_older_arm_look_faster(correct, monkeypa
     host until its next probe. Corrected for the drift, the budget keeps plain decoding; not corrected, drafting
     looks 1.7x faster and the budget drafts until its own slow samples outnumber the fast ones."""
     if not correct:
-        monkeypatch.setattr(StepTimes, "corrected_throughput", StepTimes.throughput)
+        monkeypatch.setattr(StepTimes, "corrected_throughput", lambda self, n, arm, now=None: self.throughput(n, arm))
     clock = FakeClock()
     budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
     accepting(budget, 2)

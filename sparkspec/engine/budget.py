@@ -355,7 +355,7 @@ class VerificationBudget:
                     event["unfiled"] = "prompt"
                 else:
                     event["filed"] = arm
-                    self.step_times.observe(num_reqs, arm, seconds, self._last_tokens)
+                    self.step_times.observe(num_reqs, arm, seconds, self._last_tokens, now)
                     self._sampled_at[(bucket_of(num_reqs), arm)] = now
             if self._last_tokens is not None and 0.0 < seconds <= self.step_times.max_seconds:
                 self.join_costs.note_rate(chunks, self._last_tokens)
@@ -492,7 +492,7 @@ class VerificationBudget:
         steps' seconds (a prompt runs as a part of the arm's step: with the drafter where it drafts). Where the
         arm's samples were taken beside the other arm, timed at the host's speed now
         (`StepTimes.corrected_throughput`). None: no tokens known."""
-        rate = self.step_times.corrected_throughput(num_reqs, arm)
+        rate = self.step_times.corrected_throughput(num_reqs, arm, self._now)
         if rate is None:
             return None
         cost = self.join_costs.per_chunk(num_reqs, arm)

@@ -11,7 +11,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import islice
 from typing import Literal
 
 
@@ -80,7 +79,7 @@ class StepTimes:
     those were taken while joining prompts went unfiled and kept drafting ahead for most of the next level."""
 
     def __init__(self, window: int = 64, max_seconds: float = 10.0, min_trim: int = 3, recent: int = 16,
-                 ref_len: int = 8):
+                 ref_len: int = 8, young: float = 0.5):
         self.window = window
         self.min_trim = min_trim
         self.max_seconds = max_seconds  # longer intervals are idle gaps (a server between bursts), not steps
@@ -89,13 +88,15 @@ class StepTimes:
         # the bucket's last `recent` samples, else None
         self.windows: dict[tuple[int, Arm], _Window] = {}
         self.recent, self.ref_len = recent, ref_len
+        # `corrected_throughput` times an arm by its samples of the last `young` seconds, or its last `ref_len`
+        self.young = young
         self.num_filed: dict[int, int] = {}  # per bucket, the samples filed so far (both arms)
         self.newest: dict[tuple[int, Arm], int] = {}  # per key, that count at its newest sample
-        # per bucket, the arms of its last `recent` samples and how many of them are drafting's (`probed_arm`)
-        self.last_arms: dict[int, deque[Arm]] = {}
-        self.last_spec: dict[int, int] = {}
 
-    def observe(self, num_reqs: int, arm: Arm, seconds: float, tokens: int | None = None) -> None:
+    def observe(self, num_reqs: int, arm: Arm, seconds: float, tokens: int | None = None,
+                at: float | None = None) -> None:
+        """File a step of `seconds` that produced `tokens`, taken at clock `at` (None: its age is not known, and it
+        counts as young: `corrected_throughput`)."""
         if not 0.0 < seconds <= self.max_seconds:
             return
         bucket = bucket_of(num_reqs)
@@ -105,25 +106,8 @@ class StepTimes:
         w = self.windows.get(key)
         if w is None:
             w = self.windows[key] = _Window(self.window, self.ref_len)
-        w.add(seconds, tokens, ref)
+        w.add(seconds, tokens, ref, at)
         self.newest[key] = n
-        arms = self.last_arms.get(bucket)
-        if arms is None:
-            arms = self.last_arms[bucket] = deque(maxlen=self.recent)
-        if len(arms) == self.recent:
-            self.last_spec[bucket] -= arms[0] == "spec"
-        arms.append(arm)
-        self.last_spec[bucket] = self.last_spec.get(bucket, 0) + (arm == "spec")
-
-    def probed_arm(self, num_reqs: int) -> Arm | None:
-        """The arm that holds fewer of the bucket's last `recent` samples (None: a tie, or none filed): the one
-        the budget only probes, while the other runs."""
-        bucket = bucket_of(num_reqs)
-        arms = self.last_arms.get(bucket)
-        if not arms:
-            return None
-        spec = self.last_spec[bucket]
-        return None if 2 * spec == len(arms) else "spec" if 2 * spec < len(arms) else "plain"
 
     def _recent_seconds(self, key: tuple[int, Arm]) -> float | None:
         """The mean seconds of the key's last `ref_len` samples (None: none)."""
@@ -156,13 +140,15 @@ class StepTimes:
             tokens, seconds = tokens - top[1], seconds - top[0]
         return tokens / max(seconds, 1e-12)
 
-    def corrected_throughput(self, num_reqs: int, arm: Arm) -> float | None:
-        """`throughput`, each sample taken beside the other arm (a probe's, and the steps just after one) timed at
-        the host's speed now: its seconds x the other arm's mean step now / its mean step then (the sample's
-        reference; both over that arm's last `ref_len` samples). Samples without a reference count as measured
-        (the arm ran on its own: they are recent where the arm is the one chosen). Step seconds, not tokens per
-        second, carry the drift: a drafting step's tokens move with acceptance (1 to 8 at c = 1 on the demo
-        pair), its seconds by a few % at one host speed. O(1) (`_Window`), O(`ref_len`) for a probed arm.
+    def corrected_throughput(self, num_reqs: int, arm: Arm, now: float | None = None) -> float | None:
+        """Produced tokens per second of the arm at the host's speed now: tokens per step over its window, over the
+        mean step seconds of its samples of the last `young` seconds before clock `now` (or its last `ref_len`,
+        where fewer are that young; the longest left out once there are `min_trim`), each sample taken beside the
+        other arm (a probe's, and the steps just after one) timed at the host's speed now: its seconds x the other
+        arm's mean step now / its mean step then (the sample's reference; both over that arm's last `ref_len`
+        samples). Step seconds, not tokens per second, carry the drift: a drafting step's tokens move with
+        acceptance (1 to 8 at c = 1 on the demo pair), its seconds by a few % at one host speed. None: no tokens
+        known. O(samples chosen).
 
         Why: the host's speed moves while the engine runs. On the H200 demo pair a fixed pure-Python workload took
         1.8 to 6.0 ms from one level of `bench offline` to the next, and every host phase of a step moved with it.
@@ -172,36 +158,30 @@ class StepTimes:
         drafted on 43 % of the steps of a level that plain decoding ran 1.18x faster. A probe pairs the two arms
         within a few steps: its samples' ratio to the other arm then is what the drift leaves alone.
 
-        The arm only probed (`probed_arm`) is timed by its last `ref_len` samples, not its window: the window
-        holds what the arm measured when it last ran (up to 64 samples), and a probe adds two. The other arm's
-        seconds do not carry all of the drift to those older samples: a plain step is bound by the host and a
-        drafting one, at small batches, by the device. On the H200 demo pair at c = 1 plain decoding ran its
-        stretch at 1.2 ms a step on a slow host, and its later probes took 0.61-0.69 ms while drafting's step
-        moved from 2.45 to 2.15 ms; the window, 2 probe samples against 62 of the stretch, read plain decoding at
-        ~900 tokens a second against drafting's 1,150, and the budget drafted for three levels that plain
-        decoding ran at 1.06x. Its tokens per step (acceptance, not the host) still come from the whole window."""
+        Why young samples, not the window: the window holds what the arm measured when it last ran (up to 64
+        samples), and a probe adds two. The other arm's seconds do not carry the drift to those older samples where
+        one arm is bound by the host and the other by the device (a plain step, and a drafting one at small
+        batches). On the H200 demo pair at c = 1 plain decoding ran its stretch at 1.2 ms a step on a slow host, and
+        its later probes took 0.61-0.69 ms while drafting's step moved from 2.45 to 2.15 ms; the window, 2 probe
+        samples against 62 of the stretch, read plain decoding at ~900 tokens a second against drafting's 1,150,
+        and the budget drafted for three levels that plain decoding ran at 1.06x. By age, not by which arm runs: a
+        first version timed the arm only probed by its last samples and the running one by its window, and an arm
+        that began to run again, its window half full of an older stretch, read ~20 % slower than it had while
+        probed; the budget then switched back, and at c = 16 switched on every probe."""
         bucket = bucket_of(num_reqs)
         w = self.windows.get((bucket, arm))
         if w is None or not w.seconds or w.missing:
             return None
-        now = self._recent_seconds((bucket, OTHER_ARM[arm]))
-        if self.probed_arm(num_reqs) == arm:
-            seconds = w.recent_step_seconds(now, self.min_trim)
-            return w.sum_tokens / len(w.seconds) / max(seconds, 1e-12)
-        if not w.num_paired or not now:
-            return self.throughput(num_reqs, arm)  # nothing paired: as measured
-        tokens, seconds = w.sum_tokens, w.paired * now + w.alone
-        if len(w.seconds) >= self.min_trim:  # drop the longest sample, as `throughput` does (at the speed now)
-            top_paired, top_alone = w.top_paired(), w.top_alone()
-            drop = max((top_paired[0] * now, top_paired[1]), top_alone)
-            tokens, seconds = tokens - drop[1], seconds - drop[0]
-        return tokens / max(seconds, 1e-12)
+        ref_now = self._recent_seconds((bucket, OTHER_ARM[arm]))
+        seconds = w.young_step_seconds(now, self.young, self.ref_len, ref_now, self.min_trim)
+        return w.sum_tokens / len(w.seconds) / max(seconds, 1e-12)
 
 
 class _Window:
-    """One (request-count bucket, arm)'s last samples with their running sums, so that a sample and a question
-    cost O(1): a window's longest sample is looked for again only after the one that held it has left. Each
-    sample: (seconds, produced tokens or None, reference seconds or None: `StepTimes.corrected_throughput`)."""
+    """One (request-count bucket, arm)'s last samples with their running sums, so that `StepTimes.seconds` and
+    `throughput` cost O(1): a window's longest sample is looked for again only after the one that held it has left.
+    Each sample: (seconds, produced tokens or None, reference seconds or None, clock at filing or None:
+    `StepTimes.corrected_throughput`)."""
 
     def __init__(self, size: int, ref_len: int):
         self.ref_len = ref_len
@@ -209,67 +189,45 @@ class _Window:
         self.seconds: deque[float] = deque(maxlen=size)
         self.tokens: deque[int | None] = deque(maxlen=size)
         self.refs: deque[float | None] = deque(maxlen=size)
+        self.times: deque[float | None] = deque(maxlen=size)
         self.sum_seconds = 0.0
         self.sum_tokens = 0
         self.missing = 0  # samples without tokens
-        self.num_paired = 0  # samples with a reference
-        self.paired = 0.0  # their seconds / reference, summed
-        self.alone = 0.0  # the others' seconds, summed
-        # (seconds, tokens) of the longest sample, of the paired one with the most seconds / reference (that
-        # ratio, tokens) and of the longest other one; None: to be looked for
-        self._top: tuple[float, int] | None = (0.0, 0)
-        self._top_paired: tuple[float, int] | None = (0.0, 0)
-        self._top_alone: tuple[float, int] | None = (0.0, 0)
+        self._top: tuple[float, int] | None = (0.0, 0)  # (seconds, tokens) of the longest sample; None: look again
 
-    def add(self, seconds: float, tokens: int | None, ref: float | None) -> None:
+    def add(self, seconds: float, tokens: int | None, ref: float | None, at: float | None = None) -> None:
         if len(self.seconds) >= self.ref_len:
             self.recent_sum -= self.seconds[-self.ref_len]
         if len(self.seconds) == self.seconds.maxlen:
-            self._leave(self.seconds[0], self.tokens[0], self.refs[0])
+            old_tok = self.tokens[0] or 0
+            self.sum_seconds -= self.seconds[0]
+            self.sum_tokens -= old_tok
+            self.missing -= self.tokens[0] is None
+            if self._top == (self.seconds[0], old_tok):
+                self._top = None
         self.recent_sum += seconds
         self.seconds.append(seconds)
         self.tokens.append(tokens)
         self.refs.append(ref)
+        self.times.append(at)
         tok = tokens or 0
         self.sum_seconds += seconds
         self.sum_tokens += tok
         self.missing += tokens is None
         if self._top is not None:
             self._top = max(self._top, (seconds, tok))
-        if ref:
-            self.num_paired += 1
-            self.paired += seconds / ref
-            if self._top_paired is not None:
-                self._top_paired = max(self._top_paired, (seconds / ref, tok))
-        else:
-            self.alone += seconds
-            if self._top_alone is not None:
-                self._top_alone = max(self._top_alone, (seconds, tok))
 
-    def _leave(self, seconds: float, tokens: int | None, ref: float | None) -> None:
-        tok = tokens or 0
-        self.sum_seconds -= seconds
-        self.sum_tokens -= tok
-        self.missing -= tokens is None
-        if self._top == (seconds, tok):
-            self._top = None
-        if ref:
-            self.num_paired -= 1
-            self.paired -= seconds / ref
-            if self._top_paired == (seconds / ref, tok):
-                self._top_paired = None
-        else:
-            self.alone -= seconds
-            if self._top_alone == (seconds, tok):
-                self._top_alone = None
-
-    def recent_step_seconds(self, now: float | None, min_trim: int) -> float:
-        """Mean seconds of the last `ref_len` samples, each with a reference timed at `now` (the other arm's
-        mean step now; None: as measured), the longest left out once there are `min_trim`."""
-        m = min(self.ref_len, len(self.seconds))
-        vals = [s / r * now if r and now else s
-                for s, r in zip(islice(reversed(self.seconds), m), islice(reversed(self.refs), m))]
-        total = sum(vals)
+    def young_step_seconds(self, now: float | None, young: float, at_least: int, ref_now: float | None,
+                           min_trim: int) -> float:
+        """Mean step seconds of the samples taken within `young` seconds before `now` (all, where `now` or a
+        sample's time is None), or of the last `at_least` where fewer are; each with a reference timed at `ref_now`
+        (the other arm's mean step now; None: as measured); the longest left out once there are `min_trim`."""
+        vals = []
+        for s, r, t in zip(reversed(self.seconds), reversed(self.refs), reversed(self.times)):
+            if len(vals) >= at_least and now is not None and t is not None and now - t > young:
+                break
+            vals.append(s / r * ref_now if r and ref_now else s)
+        total, m = sum(vals), len(vals)
         if m >= min_trim:
             total, m = total - max(vals), m - 1
         return total / m
@@ -278,18 +236,6 @@ class _Window:
         if self._top is None:
             self._top = max(zip(self.seconds, (t or 0 for t in self.tokens)), default=(0.0, 0))
         return self._top
-
-    def top_paired(self) -> tuple[float, int]:
-        if self._top_paired is None:
-            self._top_paired = max(((s / r, t or 0) for s, t, r in zip(self.seconds, self.tokens, self.refs) if r),
-                                   default=(0.0, 0))
-        return self._top_paired
-
-    def top_alone(self) -> tuple[float, int]:
-        if self._top_alone is None:
-            self._top_alone = max(((s, t or 0) for s, t, r in zip(self.seconds, self.tokens, self.refs) if not r),
-                                  default=(0.0, 0))
-        return self._top_alone
 
 
 class JoinCosts:
