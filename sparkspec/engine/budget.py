@@ -222,10 +222,10 @@ class _Probe:
     left: int = 0
     best_before: Arm | None = None
     backoff: int = 1
-    # the model's last answer where it may be kept (`VerificationBudget.refresh`): theta, k of the spec arm, best
-    # arm, prior; and the decision it was computed at
-    model: tuple[dict[Arm, float], int, Arm, bool] | None = None
-    model_at: int = -(10**9)
+    # both arms' measured tokens per second (`VerificationBudget.refresh`) and the decision they were computed at
+    rates: dict[Arm, float | None] | None = None
+    rates_at: int = 0
+    measured: bool = False  # both arms are measured (`VerificationBudget.measured`: once so, for good)
 
 
 class VerificationBudget:
@@ -301,12 +301,11 @@ class VerificationBudget:
         # spells) an arm's samples grew seconds old in a few hundred decisions, and at c = 1 drafting was chosen
         # for three levels on plain samples of a slow second (1.1 ms a step, against 0.74 ms as then run).
         self.max_age = max_age
-        # where both arms of a bucket are measured and steps are padded, its model (both arms' tokens per second,
-        # the best arm) is computed again after this many of its decisions, or at once where a probe has just ended;
-        # in between the last answer holds (elsewhere the answer depends on the request count, through the cost
-        # table or Algorithm 1's k, and is computed on every decision). It moves by one step's samples a decision;
-        # computing it was most of the budget's host cost a step (on a CPU its work per step took 19.6 us, 6.5 us
-        # with the answer kept; on the H200 the drafting engine spent +93 us a step at c = 1 over a plain one)
+        # a bucket's measured tokens per second (both arms: `measured_theta`) are computed again after this many of
+        # its decisions, or at once where a probe has just ended; in between the last ones hold. They move by one
+        # step's samples a decision, and computing them was most of the budget's host cost a step (on a CPU its
+        # work per step took 19.6 us, 6.5 us with them kept; on the H200 the drafting engine spent +93 us a step at
+        # c = 1 over a plain one)
         self.refresh = refresh
         self._sampled_at: dict[tuple[int, Arm], float] = {}  # (bucket, arm): clock at its newest filed sample
         self._now = 0.0  # clock at the step in progress's start
@@ -468,22 +467,36 @@ class VerificationBudget:
         where the table verifies no draft."""
         return self._model(num_reqs, num_reqs if num_base_tokens is None else num_base_tokens, num_running)[0]
 
-    def _model(self, num_reqs: int, num_base_tokens: int, num_running: int | None = None
-               ) -> tuple[dict[Arm, float], int]:
+    def _model(self, num_reqs: int, num_base_tokens: int, num_running: int | None = None,
+               st: _Probe | None = None) -> tuple[dict[Arm, float], int]:
         """-> (Theta per arm, k of the spec arm: every draft on padded steps, else what Algorithm 1 would verify,
         at least 1). One pass over the cost table (Algorithm 1 over R x k items where steps are not padded).
-        `num_running`: the bucket's request count (default: num_reqs)."""
+        `num_running`: the bucket's request count (default: num_reqs). `st`: the bucket's state, where the
+        measured rates are kept for `refresh` decisions."""
         k, tau, spec_s, plain_s = self.static_plan(num_reqs, num_base_tokens)
         k_spec = self.num_spec_tokens if self.padded else max(k, 1)
         key = num_reqs if num_running is None else num_running
-        if self.measured(key):
-            rates = {arm: self.measured_theta(key, arm) for arm in ARMS}
+        if self._measured(key, st):
+            if st is not None and st.rates is not None and st.num_decisions - st.rates_at < self.refresh:
+                rates = st.rates
+            else:
+                rates = {arm: self.measured_theta(key, arm) for arm in ARMS}
+                if st is not None:
+                    st.rates, st.rates_at = rates, st.num_decisions
             if all(r is not None for r in rates.values()):  # produced tokens per second, as measured
                 return {"plain": rates["plain"], "spec": rates["spec"] if k else 0.0}, k_spec
             spec_s, plain_s = self.step_times.seconds(key, "spec"), self.step_times.seconds(key, "plain")
         theta: dict[Arm, float] = {"plain": num_reqs / max(plain_s, 1e-9),
                                    "spec": tau / max(spec_s, 1e-9) if k else 0.0}
         return theta, k_spec
+
+    def _measured(self, key: int, st: _Probe | None) -> bool:
+        """`measured`, remembered in the bucket's state once true (its windows only grow)."""
+        if st is None:
+            return self.measured(key)
+        if not st.measured:
+            st.measured = self.measured(key)
+        return st.measured
 
     def measured_theta(self, num_reqs: int, arm: Arm) -> float | None:
         """The arm's produced tokens per second in `num_reqs`' bucket, joining requests included (`JoinCosts`):
@@ -543,17 +556,14 @@ class VerificationBudget:
         st = self._probes.setdefault(bucket_of(key), _Probe())
         st.num_decisions += 1
         ended = st.best_before is not None and not st.left
-        if st.model is not None and not ended and st.num_decisions - st.model_at < self.refresh:
-            theta, k_spec, best, prior = st.model
-        else:
-            theta, k_spec = self._model(num_reqs, num_base_tokens, key)
-            measured = self.measured(key)
-            best: Arm = "spec" if self._spec_leads(theta, key) else "plain"
-            prior = best == "spec" and not measured and self.plain_won_below(key)
-            if prior:
-                best = "plain"
-            st.model = (theta, k_spec, best, prior) if measured and self.padded else None
-            st.model_at = st.num_decisions
+        if ended:  # (what the probe measured counts at once)
+            st.rates = None
+        theta, k_spec = self._model(num_reqs, num_base_tokens, key, st)
+        measured = self._measured(key, st)
+        best: Arm = "spec" if self._spec_leads(theta, key, measured) else "plain"
+        prior = best == "spec" and not measured and self.plain_won_below(key)
+        if prior:
+            best = "plain"
         if ended:  # the probe has ended: did it change the choice?
             st.backoff = min(2 * st.backoff, self.max_backoff) if best == st.best_before else 1
             st.best_before = None
@@ -590,15 +600,17 @@ class VerificationBudget:
         self._proposing = k > 0
         if self.trace is not None:
             self.trace.append({"decided": arm, "running": key, "k": k, "best": best, "prior": prior,
-                               "probe": st.arm if arm != best else None, "measured": self.measured(key),
+                               "probe": st.arm if arm != best else None, "measured": measured,
                                "has_prompt": has_prompt,
                                "theta": {a: round(t, 1) for a, t in theta.items()}})
         return k
 
-    def _spec_leads(self, theta: dict[Arm, float], key: int) -> bool:
-        """Drafting is the better arm: by `spec_margin` where both arms of `key`'s bucket are measured, else (the
-        cost table's estimate) by any amount."""
-        return theta["spec"] > (self.spec_margin if self.measured(key) else 1.0) * theta["plain"]
+    def _spec_leads(self, theta: dict[Arm, float], key: int, measured: bool | None = None) -> bool:
+        """Drafting is the better arm: by `spec_margin` where both arms of `key`'s bucket are measured (`measured`,
+        where the caller knows), else (the cost table's estimate) by any amount."""
+        if measured is None:
+            measured = self.measured(key)
+        return theta["spec"] > (self.spec_margin if measured else 1.0) * theta["plain"]
 
     def _leads_by(self, key: int, plain_theta: float) -> bool:
         """Whether drafting's measured tokens per second in `key`'s bucket lead `plain_theta` (the table's plain
