@@ -745,3 +745,26 @@ def test_an_arm_whose_samples_are_old_is_probed_again(max_age):
         assert len(starts) >= 12 and max(gaps) < 200 + 2 * budget.probe_every, gaps
     else:
         assert len(starts) <= 3 and min(gaps) >= 32 * budget.max_backoff * 2
+
+
+@pytest.mark.parametrize("refresh", [1, 8])
+@pytest.mark.parametrize("lead", [0.95, 1.1])
+def test_rates_kept_for_a_few_decisions_choose_as_computed_ones(refresh, lead):
+    """c = 16 with noisy steps (±4 % seconds, 36-52 drafting tokens a step): drafting 5 % behind plain decoding,
+    or 10 % ahead. With the measured rates computed on every decision (`refresh` 1) or kept for 8, the budget
+    settles on the better arm (probes aside) and switches only for its probes."""
+    import random
+
+    rng = random.Random(0)
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, refresh=refresh)
+    accepting(budget, 2)
+    n = 3000
+    noise = [rng.uniform(0.96, 1.04) for _ in range(n)]
+    drafted = [rng.randint(36, 52) for _ in range(n)]
+    ks = run_loop(budget, clock, 16, lambda i, v, p: (0.0032 if v or p else 0.0012) * noise[i], n,
+                  tokens=lambda i, v, p: round(drafted[i] * lead / 1.03) if v or p else 16)
+    share = sum(k > 0 for k in ks[500:]) / (n - 500)
+    switches = sum((a > 0) != (b > 0) for a, b in zip(ks, ks[1:]))
+    assert share > 0.97 if lead > 1 else share < 0.02, share
+    assert switches <= 32, switches  # the probes' ins and outs

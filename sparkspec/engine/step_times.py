@@ -75,8 +75,8 @@ class StepTimes:
     85 of 495 decisions with 16 samples, 22 with 32 and none with 64. Run on the H200 (one length, c = 1 / 16 /
     64 / 256), the budget drafted on 1 / 55 / 2 / 1 % of the second round's decisions with 64 samples and 1 / 28 /
     8 / 1 % with 32, and its throughput at c = 64 and 256 was 0.93 and 0.92 of plain decoding's against 0.64 and
-    0.79. The price: an arm that is only probed (3 to 5 samples a probe) keeps probes from a level before; at c = 16
-    those were taken while joining prompts went unfiled and kept drafting ahead for most of the next level."""
+    0.79. (What the budget reads, `corrected_throughput`, takes each arm's step seconds from its samples of the last
+    half second, which for the arm that runs is its whole window, and from its last 8 for an arm only probed.)"""
 
     def __init__(self, window: int = 64, max_seconds: float = 10.0, min_trim: int = 3, recent: int = 16,
                  ref_len: int = 8, young: float = 0.5):
