@@ -248,4 +248,3 @@ def host_speed_us(repeats: int = 5, size: int = 20_000) -> float:
         sum(len(v) for v in d.values())
         best = min(best, time.perf_counter() - t0)
     return round(1e6 * best, 1)
-

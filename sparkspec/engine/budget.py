@@ -307,7 +307,6 @@ class VerificationBudget:
         # work per step took 19.6 us, 6.5 us with them kept; on the H200 the drafting engine spent +93 us a step at
         # c = 1 over a plain one)
         self.refresh = refresh
-        self._sampled_at: dict[tuple[int, Arm], float] = {}  # (bucket, arm): clock at its newest filed sample
         self._now = 0.0  # clock at the step in progress's start
         self._probes: dict[int, _Probe] = {}
         self._plans: dict[tuple[int, int], tuple[int, float, float, float]] = {}  # `static_plan`, by its arguments
@@ -355,7 +354,6 @@ class VerificationBudget:
                 else:
                     event["filed"] = arm
                     self.step_times.observe(num_reqs, arm, seconds, self._last_tokens, now)
-                    self._sampled_at[(bucket_of(num_reqs), arm)] = now
             if self._last_tokens is not None and 0.0 < seconds <= self.step_times.max_seconds:
                 self.join_costs.note_rate(chunks, self._last_tokens)
             if self.trace is not None:  # every step: those not filed too, with why (a later estimator's data)
@@ -585,7 +583,8 @@ class VerificationBudget:
             every = self.probe_every * st.backoff * (4 if prior else 2 if margin > 1.25 else 1)
             # stale: the arm's samples are `max_age` seconds old (only such probes and regular ones move the backoff:
             # the first ones measure, they confirm nothing)
-            stale = self._now - self._sampled_at.get((bucket_of(key), other), self._now) > self.max_age
+            newest = self.step_times.newest_at(key, other)
+            stale = newest is not None and self._now - newest > self.max_age
             due = since >= every or (stale and since >= self.probe_every)
             if due or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
                 st.arm, st.last_start = other, st.num_decisions

@@ -114,6 +114,11 @@ class StepTimes:
         w = self.windows.get(key)
         return w.recent_sum / min(len(w.seconds), self.ref_len) if w is not None and w.seconds else None
 
+    def newest_at(self, num_reqs: int, arm: Arm) -> float | None:
+        """The clock at the arm's newest sample in the bucket (None: none, or filed without a clock)."""
+        w = self.windows.get((bucket_of(num_reqs), arm))
+        return w.times[-1] if w is not None and w.times else None
+
     def count(self, num_reqs: int, arm: Arm) -> int:
         w = self.windows.get((bucket_of(num_reqs), arm))
         return len(w.seconds) if w is not None else 0
