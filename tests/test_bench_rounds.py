@@ -54,7 +54,23 @@ def test_paired_ratios_compare_each_round_with_its_best_rival():
     got = {r["setting"]: r for r in offline.paired_ratios(every)}
     assert set(got) == {"none", "fixed", "adaptive"} and all(r["concurrency"] == 4 for r in got.values())
     assert got["adaptive"] == {"setting": "adaptive", "concurrency": 4, "rounds": 3, "median": 0.917, "min": 0.45,
-                               "max": 1.1}
+                               "max": 1.1, "vs": {"none": {"median": 1.1, "min": 0.9, "max": 1.1},
+                                                  "fixed": {"median": 0.917, "min": 0.45, "max": 1.65}}}
     assert got["none"]["median"] == 0.833 and got["fixed"]["max"] == 2.0
     table = offline.format_ratios(list(got.values()))
     assert "0.92 [0.45, 1.10]" in table and table.splitlines()[0].split() == ["c=4"]
+    against = offline.format_ratios(list(got.values()), against=True).splitlines()
+    assert len(against) == 1 + 6 and any(line.split()[:3] == ["adaptive", "/", "fixed"] and "0.92 [0.45, 1.65]" in line
+                                         for line in against)
+
+
+def test_paired_ratios_against_each_rival_do_not_lean_on_a_tie():
+    """Adaptive runs at 10 tokens/s in every round; plain decoding and fixed k each swing ±10 % around it, apart.
+    Over the best rival of each round adaptive reads 9 % behind (the larger of two draws); against each rival alone
+    it reads even."""
+    every = [{"setting": s, "concurrency": 16, "round": r, "tok_s_total": v}
+             for r, (none, fixed) in enumerate(((11.0, 9.0), (9.0, 11.0), (9.0, 9.0), (11.0, 11.0), (10.0, 10.0)))
+             for s, v in (("none", none), ("fixed", fixed), ("adaptive", 10.0))]
+    got = {r["setting"]: r for r in offline.paired_ratios(every)}["adaptive"]
+    assert got["median"] == 0.909
+    assert got["vs"]["none"]["median"] == 1.0 and got["vs"]["fixed"]["median"] == 1.0

@@ -446,24 +446,36 @@ def paired_ratios(every: list[dict]) -> list[dict]:
     seconds apart. -> one row per setting and concurrency, in the order first seen."""
     import statistics
 
+    def spread(r: list[float]) -> dict:
+        return {"median": round(statistics.median(r), 3), "min": round(min(r), 3), "max": round(max(r), 3)}
+
     by_round: dict[tuple[int, int], dict[str, float]] = {}
     for row in every:
         by_round.setdefault((row["concurrency"], row.get("round", 0)), {})[row["setting"]] = row["tok_s_total"]
     ratios: dict[tuple[str, int], list[float]] = {}
+    vs: dict[tuple[str, int], dict[str, list[float]]] = {}
     for row in every:
+        key = (row["setting"], row["concurrency"])
         same = by_round[(row["concurrency"], row.get("round", 0))]
-        others = [v for name, v in same.items() if name != row["setting"]]
-        if others and max(others) > 0:
-            ratios.setdefault((row["setting"], row["concurrency"]), []).append(row["tok_s_total"] / max(others))
-    return [{"setting": name, "concurrency": c, "rounds": len(r), "median": round(statistics.median(r), 3),
-             "min": round(min(r), 3), "max": round(max(r), 3)} for (name, c), r in ratios.items()]
+        others = {name: v for name, v in same.items() if name != row["setting"] and v > 0}
+        if others:
+            ratios.setdefault(key, []).append(row["tok_s_total"] / max(others.values()))
+            for name, v in others.items():
+                vs.setdefault(key, {}).setdefault(name, []).append(row["tok_s_total"] / v)
+    return [{"setting": name, "concurrency": c, "rounds": len(r)} | spread(r)
+            | {"vs": {other: spread(x) for other, x in vs[(name, c)].items()}} for (name, c), r in ratios.items()]
 
 
-def format_ratios(ratios: list[dict]) -> str:
-    """`paired_ratios` as a table: a row per setting, a column per concurrency, `median [min, max]`."""
+def format_ratios(ratios: list[dict], against: bool = False) -> str:
+    """`paired_ratios` as a table, `median [min, max]` per concurrency: a row per setting (over the best other one
+    of the same round), or with `against`, a row per pair of settings (one over the other, round by round)."""
     cs = sorted({r["concurrency"] for r in ratios})
-    names = list(dict.fromkeys(r["setting"] for r in ratios))
-    cell = {(r["setting"], r["concurrency"]): f"{r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]" for r in ratios}
+    cell: dict[tuple[str, int], str] = {}
+    for r in ratios:
+        pairs = [(f"{r['setting']} / {other}", x) for other, x in r["vs"].items()] if against else [(r["setting"], r)]
+        for label, x in pairs:
+            cell[(label, r["concurrency"])] = f"{x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}]"
+    names = list(dict.fromkeys(label for label, _ in cell))
     width = max(len(n) for n in names)
     lines = [" " * width + "".join(f"  {'c=' + str(c):>18}" for c in cs)]
     lines += [f"{n:>{width}}" + "".join(f"  {cell.get((n, c), '-'):>18}" for c in cs) for n in names]
@@ -511,6 +523,10 @@ def cmd_offline(args) -> int:
             meta["paired_ratios"] = ratios
             print(f"each setting / the best other setting of the same round, median [min, max] over {rounds} rounds:"
                   f"\n{format_ratios(ratios)}", file=sys.stderr)
+            # where two others tie, the best of them is the larger of two noisy draws, and the table above reads a
+            # setting as that many % behind; one rival at a time has no such lean
+            print(f"each setting / each other setting of the same round, median [min, max] over {rounds} rounds:"
+                  f"\n{format_ratios(ratios, against=True)}", file=sys.stderr)
     if args.json:
         write_json(args.json, rows, meta)
     if args.plot:

@@ -226,6 +226,10 @@ class _Probe:
     rates: dict[Arm, float | None] | None = None
     rates_at: int = 0
     measured: bool = False  # both arms are measured (`VerificationBudget.measured`: once so, for good)
+    # the arm chosen outside probes (None: none yet), and where the measured rates last said the other arm (the
+    # `rates_at` of that computation; None: they agree): `VerificationBudget.confirm`
+    current: Arm | None = None
+    challenged_at: int | None = None
 
 
 class VerificationBudget:
@@ -248,7 +252,7 @@ class VerificationBudget:
                  clock: Callable[[], float] = time.perf_counter, min_samples: int = 2, probe_every: int = 32,
                  probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 16, trusted_margin: float = 2.0,
                  plain_probe_extra: int = 0, spec_margin: float = 1.05, gc_clock: GCClock | None = None,
-                 max_age: float = 2.0, refresh: int = 8):
+                 max_age: float = 2.0, refresh: int = 8, confirm: bool = True, switch_margin: float = 1.03):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
@@ -307,6 +311,16 @@ class VerificationBudget:
         # work per step took 19.6 us, 6.5 us with them kept; on the H200 the drafting engine spent +93 us a step at
         # c = 1 over a plain one)
         self.refresh = refresh
+        # near-ties, where both arms are measured. The arm not running must beat `spec_margin` by `switch_margin`
+        # more (drafting: lead by 1.05 x 1.03), and the running one keeps its place until it falls that much under
+        # it (drafting runs on until its lead is under 1.05 / 1.03); and a change waits for the next computation of
+        # the rates (`refresh` decisions on, with the running arm's newer samples) to say it too (`confirm`),
+        # unless the new lead is past `clear_lead`. On the H200 demo pair at c = 16 (one length) the budget
+        # switched 13 times in one level on leads of 1.02-1.08x, and back within 8-30 decisions; each switch costs
+        # its transition steps (and breaks a batch in lockstep), more than a few % of lead earns in so few steps
+        self.confirm = confirm
+        self.switch_margin = switch_margin
+        self.clear_lead = 1.25  # past this lead no near-tie: a switch at once, and the loser probed half as often
         self._now = 0.0  # clock at the step in progress's start
         self._probes: dict[int, _Probe] = {}
         self._plans: dict[tuple[int, int], tuple[int, float, float, float]] = {}  # `static_plan`, by its arguments
@@ -545,6 +559,9 @@ class VerificationBudget:
         c = 256 the first probes of drafting cost ~17 ms a step against ~4 ms for plain decoding, in a level of
         ~130 steps). A probe lasts `probe_len` decisions (of plain decoding: `plain_probe_len`).
 
+        Where both arms are measured, a change of choice by a lead of `clear_lead` (1.25x) or less waits for the
+        next computation of the rates to say it too (`confirm`); the probes' backoff restarts when it changes.
+
         `num_running`: the request count that buckets the measurements (`note_step`'s). No probe starts on a step
         that carries a prompt chunk (`has_prompt`): the next one most likely does too (prompts arrive in bursts),
         and such steps are not filed (`note_step`), so the probe would measure nothing."""
@@ -558,10 +575,22 @@ class VerificationBudget:
             st.rates = None
         theta, k_spec = self._model(num_reqs, num_base_tokens, key, st)
         measured = self._measured(key, st)
-        best: Arm = "spec" if self._spec_leads(theta, key, measured) else "plain"
+        best: Arm = "spec" if self._spec_leads(theta, key, measured, st.current) else "plain"
         prior = best == "spec" and not measured and self.plain_won_below(key)
         if prior:
             best = "plain"
+        held = False
+        if measured and self.confirm and st.current is not None:
+            lead = theta[best] / max(theta[OTHER_ARM[best]], 1e-9)
+            if best == st.current:
+                st.challenged_at = None
+            elif lead > self.clear_lead:  # no noise: switch at once
+                st.challenged_at, st.backoff = None, 1
+            elif st.challenged_at is None or st.challenged_at == st.rates_at:
+                st.challenged_at, best, held = st.rates_at, st.current, True  # the first word: not yet
+            else:  # the next computation says it too: switch (the choice changed, so the probes restart)
+                st.challenged_at, st.backoff = None, 1
+        st.current = best if measured else None  # (the cost table's choice is no word to confirm against)
         if ended:  # the probe has ended: did it change the choice?
             st.backoff = min(2 * st.backoff, self.max_backoff) if best == st.best_before else 1
             st.best_before = None
@@ -580,7 +609,7 @@ class VerificationBudget:
             unseen = other == "plain" and self.step_times.count(key, other) < enough \
                 and self.step_times.count(key, best) >= enough and not self._leads_by(key, theta["plain"])
             # a clear loser is probed half as often, one the smaller request counts already rejected a quarter
-            every = self.probe_every * st.backoff * (4 if prior else 2 if margin > 1.25 else 1)
+            every = self.probe_every * st.backoff * (4 if prior else 2 if margin > self.clear_lead else 1)
             # stale: the arm's samples are `max_age` seconds old (only such probes and regular ones move the backoff:
             # the first ones measure, they confirm nothing)
             newest = self.step_times.newest_at(key, other)
@@ -598,18 +627,25 @@ class VerificationBudget:
         k = k_spec if arm == "spec" else 0
         self._proposing = k > 0
         if self.trace is not None:
-            self.trace.append({"decided": arm, "running": key, "k": k, "best": best, "prior": prior,
+            self.trace.append({"decided": arm, "running": key, "k": k, "best": best, "prior": prior, "held": held,
                                "probe": st.arm if arm != best else None, "measured": measured,
                                "has_prompt": has_prompt,
                                "theta": {a: round(t, 1) for a, t in theta.items()}})
         return k
 
-    def _spec_leads(self, theta: dict[Arm, float], key: int, measured: bool | None = None) -> bool:
+    def _spec_leads(self, theta: dict[Arm, float], key: int, measured: bool | None = None,
+                    current: Arm | None = None) -> bool:
         """Drafting is the better arm: by `spec_margin` where both arms of `key`'s bucket are measured (`measured`,
-        where the caller knows), else (the cost table's estimate) by any amount."""
+        where the caller knows), else (the cost table's estimate) by any amount. `current`: the arm the bucket
+        runs, which the other must beat by `switch_margin` more."""
         if measured is None:
             measured = self.measured(key)
-        return theta["spec"] > (self.spec_margin if measured else 1.0) * theta["plain"]
+        if not measured:
+            return theta["spec"] > theta["plain"]
+        margin = self.spec_margin
+        if current is not None:
+            margin = margin * self.switch_margin if current == "plain" else margin / self.switch_margin
+        return theta["spec"] > margin * theta["plain"]
 
     def _leads_by(self, key: int, plain_theta: float) -> bool:
         """Whether drafting's measured tokens per second in `key`'s bucket lead `plain_theta` (the table's plain
