@@ -376,8 +376,8 @@ def add_offline_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every setting N times, the settings' order rotated each round; the table and JSON "
                         "results give each setting's best round (all rounds under meta.every_round), and each "
-                        "setting over the best other setting of the same round, median [min, max] "
-                        "(meta.paired_ratios)")
+                        "setting over the best other setting of the same round, and over each other setting, "
+                        "median [min, max] (meta.paired_ratios, its 'vs')")
     p.add_argument("--process-per-setting", action="store_true",
                    help="run each setting in a fresh process (its model loaded again): a setting's rows then do not "
                         "depend on the settings run before it")
@@ -438,10 +438,12 @@ def run_rounds(args) -> tuple[list[dict], list[dict]]:
 
 
 def paired_ratios(every: list[dict]) -> list[dict]:
-    """Each setting against the best other setting of the same round and concurrency: tokens per second over the
-    other's, per round, and their median, min and max over the rounds (a setting without a rival in a round is left
-    out of it). Best-of-N compares each setting's luckiest round; on the H200 one setting's rounds ran up to 1.5x
-    apart within seconds, every host phase together, so a ratio of two best rounds moves with the luck of two draws.
+    """Each setting against the best other setting of the same round and concurrency, and (`vs`) against each other
+    setting: tokens per second over the other's, per round, and their median, min and max over the rounds (a
+    setting without a rival in a round is left out of it). Where two rivals tie, the best of them is the larger of
+    two noisy draws, which reads a setting that runs exactly as one of them as behind; `vs` has no such lean.
+    Best-of-N compares each setting's luckiest round; on the H200 one setting's rounds ran up to 1.5x apart within
+    seconds, every host phase together, so a ratio of two best rounds moves with the luck of two draws.
     Rounds run back to back and the settings' order rotates (`--interleave`), so a round's ratio pairs levels run
     seconds apart. -> one row per setting and concurrency, in the order first seen."""
     import statistics
