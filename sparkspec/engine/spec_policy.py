@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from sparkspec.engine.budget import CostTable, VerificationBudget, load_or_measure, machine_key
+from sparkspec.engine.budget import VerificationBudget
 from sparkspec.engine.config import EngineConfig
+from sparkspec.engine.cost_table import CostTable, load_or_measure, machine_key
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.sequence import Sequence
 from sparkspec.spec_decode.build import build_proposer
