@@ -34,9 +34,12 @@ produced token (requests joining: `note_step`), and
     Theta_arm = 1 / (seconds / produced token over the arm's samples + seconds per chunk x chunks per token)
 (the engine tells each step's tokens),
 else Theta_plain = R / T_plain(R), Theta_spec = tau_spec(R) / T_spec(R) with tau_spec from the online acceptance
-estimate (R (1 + sum_j a_j) on padded steps). The choice is the argmax. The engine buckets steps by the requests
-it runs, not by those a step schedules: under the token budget a drafting step (1 + k rows per request) may
-schedule fewer requests than a plain one at the same concurrency, and the two arms must meet in one bucket.
+estimate (R (1 + sum_j a_j) on padded steps). The choice is the argmax, where measured with margins: drafting must
+lead by `spec_margin` (what its samples leave out), the arm not running by `switch_margin` more, and a near-tie's
+change must hold over two computations of the rates (each switch costs transition steps). The engine buckets
+steps by the requests it runs, not by those a step schedules: under the token budget a drafting step (1 + k rows
+per request) may schedule fewer requests than a plain one at the same concurrency, and the two arms must meet in
+one bucket.
 Until both arms of a bucket are observed, the cost table decides (as before), and short probes of the arm not
 chosen (a few steps every `probe_every` decisions) keep both arms' times and the acceptance estimate fresh. The
 regime decision reads past steps only, never the drafts at hand, so verification stays lossless.
