@@ -62,7 +62,7 @@ def random_requests(eng, rng, num: int, tag: str) -> list[tuple[Sequence, list[l
 def register(eng, seqs) -> None:
     for seq in seqs:
         eng.requests[seq.request_id] = seq
-        eng._max_stop_len[seq.request_id] = max((len(s) for s in seq.params.stop), default=0)
+        eng.texts.max_stop_len[seq.request_id] = max((len(s) for s in seq.params.stop), default=0)
 
 
 def lean_steps(eng, reqs, emit_unfinished: bool):
@@ -96,7 +96,7 @@ def oracle_steps(eng, reqs):
             before = len(seq.output_ids)
             eng.append(seq, chunk)
             seq.token_sources += TokenSource.of_step(len(chunk) - 1, len(chunk) - 1)[: len(seq.output_ids) - before]
-            step[seq.request_id[1:]] = (list(seq.output_ids), eng.visible_text(seq), seq.finish_reason,
+            step[seq.request_id[1:]] = (list(seq.output_ids), eng.texts.visible(seq), seq.finish_reason,
                                         list(seq.token_sources))
             if seq.is_finished:
                 eng.requests.pop(seq.request_id)

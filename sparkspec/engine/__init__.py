@@ -13,7 +13,7 @@ import importlib
 _EXPORTS = {
     "LLM": "sparkspec.engine.llm",
     "LLMEngine": "sparkspec.engine.llm_engine",
-    "RequestOutput": "sparkspec.engine.llm_engine",
+    "RequestOutput": "sparkspec.engine.outputs",
     "AsyncLLMEngine": "sparkspec.engine.async_engine",
     "EngineConfig": "sparkspec.engine.config",
     "Scheduler": "sparkspec.engine.scheduler",

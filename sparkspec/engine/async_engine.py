@@ -25,7 +25,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from sparkspec.engine.llm_engine import LLMEngine, RequestOutput
+from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.engine.outputs import RequestOutput
 from sparkspec.engine.scheduler import QueueFullError
 from sparkspec.sampling_params import SamplingParams
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparkspec.engine.config import EngineConfig, apply_batch_invariant
-from sparkspec.engine.llm_engine import LLMEngine, RequestOutput
+from sparkspec.engine.llm_engine import LLMEngine
+from sparkspec.engine.outputs import RequestOutput
 from sparkspec.sampling_params import SamplingParams
 
 

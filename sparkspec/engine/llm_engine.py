@@ -7,7 +7,6 @@ import itertools
 import math
 import random
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +15,8 @@ from sparkspec.engine.config import EngineConfig, apply_batch_invariant
 from sparkspec.engine.grammar import LazyMasks
 from sparkspec.engine.kv_plan import KVCachePlan, plan_kv_cache
 from sparkspec.engine.model_runner import InFlightStep, ModelRunner
+from sparkspec.engine.output_text import OutputTexts
+from sparkspec.engine.outputs import EngineStats, RequestOutput, group_samples, request_output
 from sparkspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from sparkspec.engine.sequence import Sequence, TokenSource
 from sparkspec.engine.step_result import StepResult
@@ -23,79 +24,6 @@ from sparkspec.models.cache import cache_dtype
 from sparkspec.ops.rng import uniform_at
 from sparkspec.ops.sampling import STREAM_GRAMMAR, bitmask_allowed, inverse_cdf
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.spec_decode.metrics import SpecMetrics
-from sparkspec.tokenizer import IncrementalDetokenizer
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a request (vLLM's name): `index` 0..n-1 among the request's samples."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class RequestOutput:
-    """A request's state after a step. Logprobs, when asked for, are per token {id: logprob}: the N most likely
-    tokens highest first, then the token itself if it is not among them (see `logprobs_for` for which
-    distribution). `outputs` holds the samples: one (this request) from `step`, all n from `generate`, whose
-    top-level fields are sample 0's."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
-    new_token_ids: list[int]  # produced by this step
-    text: str  # output text so far (stop strings cut; a possibly incomplete tail held back until finished)
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times, spec counters
-    logprobs: list[dict[int, float]] | None = None  # [len(token_ids)] when SamplingParams.logprobs is set
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # [len(prompt)], None first, once all are scored
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    token_sources: list[int] = field(default_factory=list)  # [len(token_ids)] `TokenSource` of each output token
-    error: str | None = None  # why the request failed (finish_reason "error"); its other requests were unaffected
-
-
-@dataclass
-class EngineStats:
-    """Monotone counters since start (read by /metrics and the benchmarks)."""
-
-    num_requests: int = 0
-    num_finished: int = 0
-    num_aborted: int = 0
-    num_failed: int = 0  # finished with "error": their own row failed (e.g. a distribution that is not finite)
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    # request-steps after the first token: plain decode rows + verify blocks (tau's denominator)
-    num_decode_rows: int = 0
-    num_drafter_skipped_steps: int = 0  # steps where the budget planned no drafts at all
-    num_grammar_redrawn: int = 0  # sampled drafts a response_format grammar refused, redrawn from their masked q
-    num_prefix_cache_queries: int = 0  # prompt tokens of admitted requests looked up in the prefix cache
-    num_prefix_cache_hits: int = 0  # ... of them found there (not computed)
-    spec: SpecMetrics = field(default_factory=SpecMetrics)  # every request's verify steps, pooled
-
-    @property
-    def num_spec_steps(self) -> int:
-        """Request-steps with at least one verified draft."""
-        return self.spec.num_steps
-
-    @property
-    def num_drafted(self) -> int:
-        return self.spec.num_draft_tokens
-
-    @property
-    def num_accepted(self) -> int:
-        return self.spec.num_accepted_tokens
-
-    @property
-    def accepted_per_position(self) -> list[int]:
-        return self.spec.accepted_per_position
 
 
 class LLMEngine:
@@ -151,7 +79,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self._max_stop_len: dict[str, int] = {}
+        self.texts = OutputTexts(self.tokenizer)  # detokenisation and stop strings
         self._rng = random.Random()
         self._grammars = None  # GrammarBackend, built on the first structured request
         # step() returns an output for every request that produced tokens (streams, the server: their text kept
@@ -209,13 +137,11 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(seq_id, prompt_ids, params, request_id=request_id, seed=seed)
         seq.grammar = grammar
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         seq.logprobs = [] if params.logprobs is not None else None
         seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.scheduler.add(seq)  # raises ValueError / QueueFullError before anything is recorded
         self.requests[request_id] = seq
-        self._max_stop_len[request_id] = max((len(s) for s in params.stop), default=0)
+        self.texts.start(seq)
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(prompt_ids)
         return seq
@@ -224,7 +150,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self._max_stop_len.pop(request_id, None)
+        self.texts.forget(request_id)
         if not seq.is_finished:
             self.stats.num_aborted += 1
         self.scheduler.abort(seq)
@@ -454,7 +380,7 @@ class LLMEngine:
                 new = append_tokens(seq, row.token_ids, now)
                 num_new += len(new)
                 if needs_text(seq):
-                    self.update_text(seq)
+                    self.texts.update(seq)
             else:
                 before = len(seq.output_ids)
                 self.append(seq, row.token_ids)
@@ -507,14 +433,14 @@ class LLMEngine:
         decoded in one batch where no text was kept along the way."""
         finished = [it.seq for it in items if it.seq.is_finished]
         if finished:
-            self.finish_texts(finished)
+            self.texts.finish(finished)
         outputs = []
         for it in items:
             seq = it.seq
             if seq.is_finished:
                 outputs.append(self.output(seq, produced.get(seq, [])))
                 self.requests.pop(seq.request_id, None)
-                self._max_stop_len.pop(seq.request_id, None)
+                self.texts.forget(seq.request_id)
             elif self.emit_unfinished and seq in produced:
                 outputs.append(self.output(seq, produced[seq]))
         return outputs
@@ -542,76 +468,15 @@ class LLMEngine:
                 seq.finish("length")
             if seq.is_finished:
                 break
-        self.update_text(seq)
+        self.texts.update(seq)
 
     def needs_text(self, seq: Sequence) -> bool:
         """Is `seq.text` read before the request ends? Stop strings are searched in it; a stream shows it every
-        step. Otherwise the text is decoded once, when the request finishes (`finish_texts`)."""
-        return self.emit_unfinished or self._max_stop_len.get(seq.request_id, 0) > 0
-
-    def update_text(self, seq: Sequence) -> None:
-        """Extend the text incrementally by the tokens not yet detokenized (O(new tokens)); a stop string cuts it
-        and finishes the request."""
-        detok = seq.detokenizer
-        if detok is None:
-            return
-        piece = detok.feed(seq.output_ids[detok.num_fed :]) if detok.num_fed < len(seq.output_ids) else ""
-        if seq.is_finished:
-            piece += detok.flush()
-        if not piece:
-            return
-        seq.text += piece
-        longest = self._max_stop_len.get(seq.request_id, 0)
-        if not longest:
-            return
-        tail = max(0, len(seq.text) - len(piece) - longest + 1)  # only a stop string ending in the piece is new
-        hits = [h for h in (seq.text.find(s, tail) for s in seq.params.stop) if h >= 0]
-        if hits:
-            seq.text = seq.text[: min(hits)]
-            if not seq.is_finished:
-                seq.finish("stop")
-
-    def finish_texts(self, seqs: list[Sequence]) -> None:
-        """The whole text of finished requests: those never detokenized (no stop strings, nobody streaming them)
-        are decoded in one `decode_batch` where there are many, else one by one (the same text: the detokenizer's
-        pieces plus its flush equal one decode with special tokens skipped); the others catch up and flush their
-        held-back tail. On a 2-core CPU, 4 texts of 64 tokens took 94 us batched and 30 us one by one; 256 of them
-        2.2 and 2.7 ms."""
-        fresh = [seq for seq in seqs if seq.detokenizer is not None and seq.detokenizer.num_fed == 0
-                 and seq.output_ids and not self._max_stop_len.get(seq.request_id, 0)]
-        if fresh:  # (a few at a time one by one: waking the tokenizer's threads costs more than they save)
-            ids = [seq.output_ids for seq in fresh]
-            texts = self.tokenizer.decode_batch(ids, skip_special_tokens=True) if len(fresh) >= 64 \
-                else [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
-            for seq, text in zip(fresh, texts):
-                seq.text, seq.detokenizer = text, None  # decoded: nothing is fed again
-        for seq in seqs:
-            self.update_text(seq)
-
-    def visible_text(self, seq: Sequence) -> str:
-        """Text safe to show while streaming: no incomplete UTF-8 tail, no possible start of a stop string."""
-        text = seq.text
-        if seq.is_finished:
-            return text
-        hold = self._max_stop_len.get(seq.request_id, 0) - 1
-        return text[: len(text) - hold] if hold > 0 else text
+        step. Otherwise the text is decoded once, when the request finishes (`OutputTexts.finish`)."""
+        return self.emit_unfinished or self.texts.has_stops(seq)
 
     def output(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        sp = seq.spec.metrics
-        metrics = {"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
-                   "finish_time": seq.finish_time, "num_preemptions": seq.num_preemptions,
-                   "num_cached_prompt_tokens": seq.num_prefix_hit_tokens,
-                   "spec_steps": sp.num_steps, "spec_drafted": sp.num_draft_tokens,
-                   "spec_accepted": sp.num_accepted_tokens,
-                   "spec_accepted_per_position": list(sp.accepted_per_position)}
-        token_ids, text = list(seq.output_ids), self.visible_text(seq)
-        logprobs = list(seq.logprobs) if seq.logprobs is not None else None
-        scored = seq.prompt_logprobs if seq.prompt_logprobs and len(seq.prompt_logprobs) == len(seq.prompt_ids) \
-            else None  # complete: never changed again (a recompute scores nothing)
-        return RequestOutput(seq.request_id, seq.prompt_ids, token_ids, list(new), text, seq.is_finished,
-                             seq.finish_reason, seq.num_cached_tokens, metrics, logprobs, scored,
-                             [CompletionOutput(0, token_ids, text, seq.finish_reason, logprobs)],
-                             list(seq.token_sources), seq.error)
+        return request_output(seq, new, self.texts.visible(seq))
 
     # ---- offline convenience ----
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
@@ -648,15 +513,7 @@ class LLMEngine:
                         final[out.request_id] = out
         finally:
             self.emit_unfinished = emit_unfinished
-        return [self.group([final[r] for r in rids]) for rids in groups]
-
-    @staticmethod
-    def group(samples: list[RequestOutput]) -> RequestOutput:
-        """Sample 0's output with every sample in `outputs`, indexed 0..n-1."""
-        first = samples[0]
-        first.outputs = [CompletionOutput(i, o.token_ids, o.text, o.finish_reason, o.logprobs)
-                         for i, o in enumerate(samples)]
-        return first
+        return [group_samples([final[r] for r in rids]) for rids in groups]
 
     # ---- stats ----
     @property
