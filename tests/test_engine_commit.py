@@ -18,7 +18,6 @@ from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.sequence import Sequence, SequenceStatus, TokenSource
 from sparkspec.engine.step_result import NONFINITE_ERROR, SampledRow, StepResult, logprob_dicts, read_step
 from sparkspec.sampling_params import SamplingParams
-from sparkspec.tokenizer import IncrementalDetokenizer
 
 DEMO = Path(__file__).resolve().parent.parent / "checkpoints" / "demo"
 MAX_MODEL_LEN = 64
@@ -48,7 +47,6 @@ def random_requests(eng, rng, num: int, tag: str) -> list[tuple[Sequence, list[l
         params = SamplingParams(max_tokens=rng.randint(1, 50), ignore_eos=rng.random() < 0.3,
                                 stop=[s for s in stop if s.strip()])
         seq = Sequence(10_000 + n, prompt, params, request_id=f"{tag}{n}", seed=n)
-        seq.detokenizer = IncrementalDetokenizer(tok)
         seq.status, seq.num_cached_tokens = SequenceStatus.RUNNING, len(prompt) - 1
         chunks, pos = [], 0
         while pos < len(stream):
@@ -60,9 +58,10 @@ def random_requests(eng, rng, num: int, tag: str) -> list[tuple[Sequence, list[l
 
 
 def register(eng, seqs) -> None:
+    """As `add_request` records a request: its id, its detokenizer and its stop strings (`OutputTexts.start`)."""
     for seq in seqs:
         eng.requests[seq.request_id] = seq
-        eng.texts.max_stop_len[seq.request_id] = max((len(s) for s in seq.params.stop), default=0)
+        eng.texts.start(seq)
 
 
 def lean_steps(eng, reqs, emit_unfinished: bool):
@@ -137,7 +136,6 @@ def test_the_context_limit_and_a_failed_row(eng):
     long = Sequence(1, ids[: MAX_MODEL_LEN - 3], SamplingParams(max_tokens=50, ignore_eos=True), request_id="L")
     bad = Sequence(2, ids[:5], SamplingParams(max_tokens=50, ignore_eos=True), request_id="F")
     for seq in (long, bad):
-        seq.detokenizer = IncrementalDetokenizer(tok)
         seq.status, seq.num_cached_tokens = SequenceStatus.RUNNING, seq.num_tokens - 1
     register(eng, [long, bad])
     eng.emit_unfinished = False

@@ -480,10 +480,9 @@ class VerificationBudget:
             best = "plain"
         held = False
         if measured and self.confirm and st.current is not None:
-            lead = theta[best] / max(theta[OTHER_ARM[best]], 1e-9)
             if best == st.current:
                 st.challenged_at = None
-            elif lead > self.clear_lead:  # no noise: switch at once
+            elif theta[best] > self.clear_lead * theta[OTHER_ARM[best]]:  # no noise: switch at once
                 st.challenged_at, st.backoff = None, 1
             elif st.challenged_at is None or st.challenged_at == st.rates_at:
                 st.challenged_at, best, held = st.rates_at, st.current, True  # the first word: not yet
