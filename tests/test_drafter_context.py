@@ -4,7 +4,8 @@ depend on whether the steps before it drafted (the adaptive budget's plain arm, 
 Why: a step that proposed nothing used to skip the drafter entirely, so its positions' rows in the drafter's
 pools (DSpark's context KV, MTP's layer rows) stayed stale; the first drafts after a plain stretch read them. That
 was lossless (verification catches every bad draft) but it made the adaptive budget's drafting arm look worse than
-plain decoding on the H200 demo pair and turned it off."""
+plain decoding on the H200 demo pair and turned it off. (Where the adaptive budget's plain arm holds, plain steps
+do skip the write, and drafting waits for the window to be written again: `test_context_skip.py`.)"""
 
 from __future__ import annotations
 

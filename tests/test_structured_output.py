@@ -351,9 +351,9 @@ def test_masks_are_made_after_the_forward_is_launched(engines):
         events.append("step")
         return step()
 
-    def traced_forward(p):
+    def traced_forward(p, *args):
         events.append("forward")
-        return forward(p)
+        return forward(p, *args)
 
     def traced_row_masks(self, drafts):
         events.append("masks")

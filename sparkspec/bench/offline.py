@@ -185,6 +185,7 @@ def measure_level(args, work: Workload, engine, setting: Setting, c: int, startu
                                                                                         ignore_eos=True))
     queried, hit = engine.stats.num_prefix_cache_queries, engine.stats.num_prefix_cache_hits
     steps, skipped = engine.stats.num_steps, engine.stats.num_drafter_skipped_steps
+    cold = engine.stats.num_context_skipped_steps
     preempted = engine.scheduler.num_preemptions
     budget = engine.spec.budget if engine.spec is not None else None
     if getattr(args, "trace_budget", None) and budget is not None:
@@ -213,6 +214,8 @@ def measure_level(args, work: Workload, engine, setting: Setting, c: int, startu
     if setting.method != "none":  # steps whose drafter ran (the adaptive budget's drafting arm)
         steps, skipped = engine.stats.num_steps - steps, engine.stats.num_drafter_skipped_steps - skipped
         row["drafting_step_frac"] = round(1 - skipped / max(steps, 1), 3)
+        # and those that skipped the drafter's context write too (plain decoding settled)
+        row["context_skipped_frac"] = round((engine.stats.num_context_skipped_steps - cold) / max(steps, 1), 3)
     if budget is not None and budget.trace is not None:
         row["budget_trace"], budget.trace = budget.trace, None
     extra = ""

@@ -43,6 +43,12 @@ one bucket.
 Until both arms of a bucket are observed, the cost table decides (as before), and short probes of the arm not
 chosen (a few steps every `probe_every` decisions) keep both arms' times and the acceptance estimate fresh. The
 regime decision reads past steps only, never the drafts at hand, so verification stays lossless.
+
+The drafter's context: a device drafter writes every step's rows into its pools, and its drafts read the
+`context_window` rows before their position. Where plain decoding holds its place, plain decode steps skip the
+write (`writes_context`), and writes resume `context_window` decisions before drafting's next regular probe; a
+switch to drafting, or a probe due by age, waits for that many steps that write. So the settled plain arm costs
+what the plain engine's step costs, and no draft reads a row a skipping step left stale.
 """
 
 from __future__ import annotations
@@ -151,7 +157,8 @@ class VerificationBudget:
                  clock: Callable[[], float] = time.perf_counter, min_samples: int = 2, probe_every: int = 32,
                  probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 16, trusted_margin: float = 2.0,
                  plain_probe_extra: int = 0, spec_margin: float = 1.05, gc_clock: GCClock | None = None,
-                 max_age: float = 2.0, refresh: int = 8, confirm: bool = True, switch_margin: float = 1.03):
+                 max_age: float = 2.0, refresh: int = 8, confirm: bool = True, switch_margin: float = 1.03,
+                 context_window: int = 0):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
@@ -220,6 +227,16 @@ class VerificationBudget:
         self.confirm = confirm
         self.switch_margin = switch_margin
         self.clear_lead = 1.25  # past this lead no near-tie: a switch at once, and the loser probed half as often
+        # the drafter's context (a device drafter's pools: one row per position, `DeviceProposer.window` of them read
+        # before each pending position; 0: no context, every step writes). Where plain decoding holds its place
+        # (both arms measured, no challenge, no probe within `context_window` decisions), a plain decode step
+        # leaves its rows unwritten (`writes_context`): the write is the plain arm's one device cost (on the H200
+        # demo pair at c = 1 a DSpark engine held on plain decoding ran at 0.95x the plain engine). Drafting, a
+        # probe of it included, then starts only after `context_window` steps in a row that wrote (`_warm`), so
+        # that its first drafts read the rows they would have read had every step written
+        self.context_window = context_window
+        self._warm = context_window  # steps in a row that wrote the context, up to `context_window`
+        self.writes_context = True  # the decided step writes the drafter's context (`next_num_drafts`)
         self._now = 0.0  # clock at the step in progress's start
         self._probes: dict[int, _Probe] = {}
         self._plans: dict[tuple[int, int], tuple[int, float, float, float]] = {}  # `static_plan`, by its arguments
@@ -494,26 +511,30 @@ class VerificationBudget:
             st.best_before = None
         if st.last_start < 0 and st.num_started == 0:
             st.last_start = st.num_decisions  # a new bucket's first regular probe waits its interval too
+        other = OTHER_ARM[best]
+        # a clear loser is probed half as often, one the smaller request counts already rejected a quarter
+        margin = theta[best] / max(theta[other], 1e-9)
+        every = self.probe_every * st.backoff * (4 if prior else 2 if margin > self.clear_lead else 1)
+        ready = self._warm >= self.context_window  # the drafter's window rows are all written
+        warming = False  # drafting (or a probe of it) waits for `ready`
         if not st.left and not has_prompt:
-            other = OTHER_ARM[best]
             since = st.num_decisions - st.last_start
             # until the arm has the samples that let its slowest one be dropped (the first after a switch of arm
             # is often slow: on the H200 demo pair at c = 64, 4.1 ms against 2.0 for plain decoding's next two)
-            margin = theta[best] / max(theta[other], 1e-9)
             # (only once drafting has samples of its own, and not where its measured tokens per second lead the
             # table's plain decoding, which leaves the host out and so flatters plain, by `trusted_margin`; at c = 1
             # on a CPU each early probe step of plain decoding gave 1 token where drafting gave ~4.7)
             enough = max(self.min_samples, self.step_times.min_trim)
             unseen = other == "plain" and self.step_times.count(key, other) < enough \
                 and self.step_times.count(key, best) >= enough and not self._leads_by(key, theta["plain"])
-            # a clear loser is probed half as often, one the smaller request counts already rejected a quarter
-            every = self.probe_every * st.backoff * (4 if prior else 2 if margin > self.clear_lead else 1)
             # stale: the arm's samples are `max_age` seconds old (only such probes and regular ones move the backoff:
             # the first ones measure, they confirm nothing)
             newest = self.step_times.newest_at(key, other)
             stale = newest is not None and self._now - newest > self.max_age
             due = since >= every or (stale and since >= self.probe_every)
-            if due or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
+            if other == "spec" and due and not ready:
+                warming = True  # the probe starts once the context is written (it stays due meanwhile)
+            elif due or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
                 st.arm, st.last_start = other, st.num_decisions
                 st.left = self.plain_probe_len if other == "plain" else self.probe_len
                 st.best_before = best if due else None
@@ -522,12 +543,21 @@ class VerificationBudget:
         if st.left:
             st.left -= 1
             arm = st.arm
+        if arm == "spec" and not ready:  # a switch to drafting (a probe of it starts only once ready)
+            arm, warming = "plain", True
         k = k_spec if arm == "spec" else 0
         self._proposing = k > 0
+        # plain decoding holds its place, measured and unchallenged, and drafting's next regular probe is more than
+        # `context_window` decisions away (a probe due by age, or a switch, waits for `ready`)
+        cold = bool(self.context_window) and not k and not warming and not st.left and measured \
+            and st.current == "plain" and st.challenged_at is None \
+            and st.last_start + every - st.num_decisions > self.context_window
+        self.writes_context = not cold
+        self._warm = 0 if cold else min(self._warm + 1, self.context_window)
         if self.trace is not None:
             self.trace.append({"decided": arm, "running": key, "k": k, "best": best, "prior": prior, "held": held,
-                               "probe": st.arm if arm != best else None, "measured": measured,
-                               "has_prompt": has_prompt,
+                               "probe": st.arm if arm != best and not warming else None, "measured": measured,
+                               "has_prompt": has_prompt, "cold": cold, "warming": warming,
                                "theta": {a: round(t, 1) for a, t in theta.items()}})
         return k
 

@@ -68,6 +68,8 @@ class GraphKey(NamedTuple):
     draft_cols: int  # K, drafts a request may verify: q - 1 for decode / verify rows, 0 for a prefill
     prompt_rows: int = 0  # Tp: a mixed graph's prompt rows after the R·q decode rows (0: not mixed)
     num_prompts: int = 0  # P: its prompt slots, which share those rows (`prompt_slot_rows`)
+    context: bool = True  # the device drafter writes the step's rows into its context (False: plain decode rows
+    # while the adaptive budget's plain arm holds, `GraphRunner.decode_context`: the plain engine's graph)
 
     @property
     def num_sampling(self) -> int:
@@ -150,6 +152,9 @@ class GraphRunner:
         longest = max(self.prefill_lens, default=0)
         self.mixed_rows = tuple(t for t in self.prefill_lens if t in (longest // 8, longest // 2, longest))
         self.eager = eager
+        # whether the plain decode graphs (q = 1, nothing proposed) that `key_for` names write the device drafter's
+        # context (`ModelRunner.context_writes`)
+        self.decode_context = True
         self.graphs: dict[GraphKey, StaticGraph] = {}
         self.pool = None
         self.capture_seconds = 0.0
@@ -170,7 +175,8 @@ class GraphRunner:
         q = next((q for q in self.query_lens if q >= num_rows), None)
         if q is not None:
             R = next((s for s in self.sizes if s >= num_reqs), None)
-            return None if R is None else GraphKey(R, q, mode, num_drafts, q - 1)
+            context = self.decode_context or q > 1 or num_drafts > 0
+            return None if R is None else GraphKey(R, q, mode, num_drafts, q - 1, context=context)
         q = next((q for q in self.prefill_lens if q >= num_rows), None)
         R = None if q is None else next((s for s in self.prefill_sizes[q] if s >= num_reqs), None)
         return None if R is None else GraphKey(R, q, mode, num_drafts, 0)

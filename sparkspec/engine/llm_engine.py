@@ -59,7 +59,8 @@ class LLMEngine:
         self.runner.allocate(self.kv_plan.num_blocks, self.kv_plan.block_size)  # block ids ARE pool rows
         if self.runner.device.type == "cuda" and not config.enforce_eager:  # HIP builds report "cuda" too
             self.runner.use_graphs(config.max_num_seqs, self.max_model_len, num_lookahead,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   cold_decode=self.spec is not None and self.spec.may_skip_context)
         bm = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size,  # prefix hits: see block_manager.py
                           enable_prefix_caching=config.enable_prefix_caching,
                           granularity=hit_granularity(self.kv_plan.block_size, model.compress_ratios),
@@ -243,8 +244,9 @@ class LLMEngine:
             return [[] for _ in items], [-1] * len(items), 0
         drafts, rows = self.spec.choose(items, held=sched is None)
         counts = None if sched is None else (sched.num_sampling, sched.num_decode, sched.num_prompt_tokens)
-        return drafts, rows, self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running),
-                                                             counts=counts)
+        k = self.spec.num_drafts_to_propose(items, self.stats, len(self.scheduler.running), counts=counts)
+        self.runner.context_writes = self.spec.budget.writes_context  # (the budget's plain arm, settled: off)
+        return drafts, rows, k
 
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled and launched before the one in flight is read: no running

@@ -108,14 +108,30 @@ class ModelRunner:
         self.graphs = None  # GraphRunner: decode / verify steps as CUDA graphs (see `cuda_graphs.py`)
         self.last_tokens: torch.Tensor | None = None  # [slots] the token each slot's last `launch` sampled
         self.num_mixed_steps = 0  # steps run as one mixed graph (decode rows beside joining prompts)
+        self._context_writes = True
+
+    @property
+    def context_writes(self) -> bool:
+        """Whether the next steps' plain decode rows are written into the device drafter's context. The engine turns
+        it off while the adaptive budget's plain arm holds (`VerificationBudget.writes_context`): a pure decode step
+        that proposes nothing then runs as the plain engine's step (no taps, no context write). A step with a
+        prompt chunk, drafts to verify or drafts to propose writes every row whatever this says."""
+        return self._context_writes
+
+    @context_writes.setter
+    def context_writes(self, on: bool) -> None:
+        self._context_writes = on
+        if self.graphs is not None:
+            self.graphs.decode_context = on
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, num_spec_tokens: int, eager: bool = False,
-                   max_num_batched_tokens: int = 0) -> None:
+                   max_num_batched_tokens: int = 0, cold_decode: bool = False) -> None:
         """Decode (q = 1) and verify (q = 1 + num_spec_tokens) steps, and prefills of R requests padded to the
         lengths of PREFILL_LENS up to `max_num_batched_tokens` (R·q up to that too), run as graphs, captured now
         for the greedy and plain sampling modes (with and without drafting; prefills of several requests in the
         greedy mode only, the rest on first use: each capture costs ~0.2 s of start-up on the H200); `eager`
-        builds the same static steps and runs them eagerly (tests of the padding on CPU)."""
+        builds the same static steps and runs them eagerly (tests of the padding on CPU). `cold_decode`: the
+        plain decode steps that skip the drafter's context (`context_writes`) are captured too."""
         from sparkspec.engine.cuda_graphs import GraphRunner
 
         query_lens = (1, 1 + num_spec_tokens) if num_spec_tokens else (1,)
@@ -129,6 +145,9 @@ class ModelRunner:
         shapes = [(R, q) for R in self.graphs.sizes for q in self.graphs.query_lens]
         shapes += [(R, q) for R, q in self.graphs.prefill_shapes() if R == 1]
         keys = [self.graphs.key_for(R, q, mode, d) for R, q in shapes for mode in ("greedy", "sample") for d in drafts]
+        if cold_decode and self.drafts_on_device:
+            keys += [self.graphs.key_for(R, 1, mode, 0)._replace(context=False) for R in self.graphs.sizes
+                     for mode in ("greedy", "sample")]
         keys += [self.graphs.key_for(R, q, "greedy", d) for R, q in self.graphs.prefill_shapes() if R > 1
                  for d in drafts]
         # mixed graphs (decode rows beside joining prompts) are used only once captured, never captured on first
@@ -272,7 +291,8 @@ class ModelRunner:
         if p.key is not None:
             self.run_graph(p, down)
             return p, down
-        batch, out, dev = self.forward(p)
+        context = self.writes_context(p)
+        batch, out, dev = self.forward(p, context)
         if p.prompt_items:  # prompt tokens: the model's raw distribution
             lp = torch.log_softmax(out.logits[dev["prompt_rows"]].float(), -1)
             down.add("prompt", *gather_logprobs(lp, dev["prompt_next"], p.num_prompt_top))
@@ -281,7 +301,7 @@ class ModelRunner:
             return p, down
         if token_masks is not None:
             dev["token_bitmask"] = self.bitmask_rows(p, token_masks).to(self.device, non_blocking=True)
-        res = self.decode(batch, out, dev, len(p.sampling), p.K, p.mode, p.num_drafts)
+        res = self.decode(batch, out, dev, len(p.sampling), p.K, p.mode, p.num_drafts, context=context)
         if p.logprob_rows:  # rows 0..K of the requests that ask (rows past L are read back but dropped)
             lp_t, K1 = dev["logprob_rows"], p.K + 1
             lp = logprobs_for(res.logits[lp_t].flatten(0, 1), res.sampling.index_select(lp_t).repeat_interleave(K1))
@@ -415,14 +435,22 @@ class ModelRunner:
         """The host side of a step (`StepPlanner.plan`)."""
         return self.planner.plan(items, drafts, draft_rows, num_next_drafts, structured)
 
-    def forward(self, p: PackedStep):
-        """The one host->device copy and the target forward, eagerly -> (batch, output, the uploaded parts)."""
+    def writes_context(self, p: PackedStep) -> bool:
+        """Whether step `p` writes the device drafter's context: always, but a pure decode step (one row per
+        request, every one sampling, nothing verified or proposed) while `context_writes` is off."""
+        if p.key is not None:
+            return p.key.context
+        return self._context_writes or bool(p.num_drafts or p.K) or sum(map(len, p.item_ids)) != len(p.sampling)
+
+    def forward(self, p: PackedStep, context: bool = True):
+        """The one host->device copy and the target forward, eagerly -> (batch, output, the uploaded parts).
+        `context` False: no taps for the drafter (`writes_context`)."""
         items = p.items
         ids = [t for row in p.item_ids for t in row]
         batch = build_batch(self.cache, ids, [it.seq.block_ids for it in items],
                             [it.seq.num_cached_tokens for it in items], [len(r) for r in p.item_ids], p.logits_rows,
                             self.ratios, p.upload.flat())
-        return batch, self.model(batch, **self.capture), p.upload.split(batch._memo["extra"])
+        return batch, self.model(batch, **(self.capture if context else {})), p.upload.split(batch._memo["extra"])
 
     def graph_step(self, key: GraphKey, batch, dev: dict) -> DecodeOutput:
         """The body of a captured step: forward, accept, draft (no logits kept: graph steps return no logprobs).
@@ -433,23 +461,26 @@ class ModelRunner:
         gathered = key.gathered
         if gathered:
             batch.logits_rows = dev["gather"]
-        res = self.decode(batch, self.model(batch, **self.capture), dev, key.num_sampling, key.draft_cols, key.mode,
-                          key.num_drafts, gathered)
+        out = self.model(batch, **(self.capture if key.context else {}))
+        res = self.decode(batch, out, dev, key.num_sampling, key.draft_cols, key.mode, key.num_drafts, gathered,
+                          key.context)
         res.logits = res.sampling = None
         return res
 
     def decode(self, batch, out, dev: dict, S: int, K: int, mode: str, num_drafts: int,
-               gathered: bool = False) -> DecodeOutput:
+               gathered: bool = False, context: bool = True) -> DecodeOutput:
         """Accept on every sampling request at once; the device drafter then writes the step's rows into its
         context, and proposes `num_drafts` after each new pending token (its q goes to `q_store`).
 
-        The context is written on every step, drafting or not: a step that proposes nothing (the adaptive budget's
-        plain arm, a request that asks for no drafts) still leaves its positions' rows in the drafter's pools, or the
-        first drafts after a plain stretch would read stale rows there (lossless still, but on the H200 demo pair
-        the adaptive budget's drafting arm then looked worse than plain decoding at c = 1 and was turned off)."""
+        The context is written on every step that proposes nothing too (a request that asks for no drafts, the
+        adaptive budget's plain arm while it may switch or probe): the first drafts after a plain stretch read
+        the `window` rows before their position, stale rows there would cost acceptance (lossless still, but on the
+        H200 demo pair the budget's drafting arm then looked worse than plain decoding at c = 1 and was turned
+        off). `context` False (a pure plain decode step, `writes_context`): no write; the budget lets drafting
+        start again only after `window` steps that wrote (`VerificationBudget.context_window`)."""
         tokens, num_accepted, is_finite, st, logits = self.accept(out, dev, S, K, mode, gathered)
         res = DecodeOutput(tokens, num_accepted, is_finite, logits=logits, sampling=st)
-        if self.drafts_on_device:
+        if self.drafts_on_device and context:
             step = self.step_rows(batch, out, dev, tokens, num_accepted, st, K)
             self.proposer.observe(step)
             if num_drafts:

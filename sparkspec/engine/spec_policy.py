@@ -47,7 +47,14 @@ class SpecPolicy:
         filed and a probe of plain decoding lasts two decisions longer (`VerificationBudget.plain_probe_len`)."""
         cost = self.cost_table(runner, overlapped) if self.config.spec_budget == "adaptive" else None
         self.budget = VerificationBudget(self.config.spec_budget, self.num_spec_tokens, cost,
-                                         padded=runner.graphs is not None, plain_probe_extra=2 if overlapped else 0)
+                                         padded=runner.graphs is not None, plain_probe_extra=2 if overlapped else 0,
+                                         context_window=self.proposer.window if self.may_skip_context else 0)
+
+    @property
+    def may_skip_context(self) -> bool:
+        """The adaptive budget may let plain decode steps skip the device drafter's context write
+        (`VerificationBudget.context_window`)."""
+        return self.config.spec_budget == "adaptive" and self.proposer.on_device and self.proposer.window > 0
 
     # ---- before the step ----
     def choose(self, items: list[ScheduledSeq], held: bool = True) -> tuple[list[list[int]], list[int]]:
@@ -104,6 +111,10 @@ class SpecPolicy:
         has_prompt = prompt_tokens > num_decode
         key = num_sampling if num_running is None else max(num_running, 1)
         k = self.budget.next_num_drafts(num_sampling, num_sampling, key, has_prompt) if num_sampling else 0
+        if not num_sampling:  # (a step of prompt chunks only: it writes their rows anyway)
+            self.budget.writes_context = True
+        elif stats is not None and not self.budget.writes_context:
+            stats.num_context_skipped_steps += 1
         num_chunks = len(items) - num_decode  # prompt (or recompute) chunks: requests joining
         self.budget.note_step(key, self._num_verified, k, has_prompt, prompt_tokens, num_chunks, num_decode)
         if num_sampling and k == 0 and stats is not None:

@@ -37,6 +37,9 @@ class EngineCollector:
             ("sparkspec_spec_decode_num_accepted_tokens", "Draft tokens accepted", st.num_accepted),
             ("sparkspec_spec_decode_drafter_skipped_steps", "Steps where the budget skipped drafting",
              st.num_drafter_skipped_steps),
+            ("sparkspec_spec_decode_context_skipped_steps",
+             "Of those, steps planned without the drafter's context write (plain decoding settled)",
+             st.num_context_skipped_steps),
             # vLLM's vllm:prefix_cache_queries / vllm:prefix_cache_hits, in sparkspec's prefix and spelling
             ("sparkspec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)",
              st.num_prefix_cache_queries),

@@ -3,7 +3,8 @@ head; the math lives in `sparkspec.models.dspark`). Legend: R requests, k drafts
 
 Context: every stage keeps one K=V row per position (`main_x` of the target's taps through the stage's
 `wkv` / `kv_norm` / RoPE) in a paged pool addressed by the target's block tables; `observe` writes the rows of
-every step, committed or not (see `proposer.py` for why that needs no rollback).
+every step, committed or not (see `proposer.py` for why that needs no rollback, and for the plain steps that skip
+it).
 
 `propose` runs one block of k rows `[b, noise * (k-1)]` at positions N..N+k-1 for all requests at once (N =
 committed positions, b = pending token), reading the W context rows before N and all k block rows

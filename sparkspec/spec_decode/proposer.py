@@ -12,7 +12,10 @@ the device.
 Two kinds of drafter:
 * device drafters (`DeviceProposer`: DSpark, MTP) keep their context in paged pools addressed by the target's block
   tables, one row per position, written for every row of every step. A row of a rejected draft is written too,
-  and overwritten by the step that commits its position before anything reads it, so rollback is free.
+  and overwritten by the step that commits its position before anything reads it, so rollback is free. One
+  exception: while the adaptive budget's plain arm holds, plain decode steps skip the write, and drafting starts
+  again only after `window` steps that wrote (`VerificationBudget.context_window`), so no draft reads a row they
+  skipped.
 * host drafters (`HostProposer`: n-gram, test drafters) look at the committed token ids after the copy.
 """
 
@@ -60,6 +63,7 @@ class Proposer(ABC):
     method: str = "none"
     on_device: bool
     tap_layers: tuple[int, ...] = ()  # 0-based target layers whose outputs `observe` receives as taps
+    window: int = 0  # context rows before each pending position that `propose` reads (device drafters)
     needs_final_streams: bool = False  # whether `observe` receives the final residual streams
 
     def __init__(self, num_spec_tokens: int):

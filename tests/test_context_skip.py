@@ -1,0 +1,143 @@
+"""Plain decode steps skip the device drafter's context write while the adaptive budget's plain arm holds, and
+drafting waits for `window` steps that write before it starts again (`VerificationBudget.context_window`).
+
+Why: on the H200 demo pair at c = 1, a DSpark engine held on its plain arm ran at 0.95x the plain engine; the
+context write on every plain step (the target's taps, the drafter's KV projection and its scatter) is that arm's one
+device cost. The write only matters for the `window` rows that the first drafts after a plain stretch read."""
+
+from __future__ import annotations
+
+import pytest
+from spec_helpers import mixed_prompts, one_thread, static_step_engine, tiny_setup  # noqa: F401
+from test_budget_regime import FakeClock, accepting, flat_table, run_loop
+
+from sparkspec.engine.budget import VerificationBudget
+from sparkspec.sampling_params import SamplingParams
+
+K = 4
+W = 64  # the demo drafter's window
+
+
+def c1_loop(budget: VerificationBudget, clock: FakeClock, num_steps: int, spec_tokens=lambda n: 2.76,
+            plain_seconds=lambda n: 0.00067) -> tuple[list[int], list[bool]]:
+    """c = 1 at the H200 demo pair's costs: a plain step `plain_seconds(step)` (0.67 ms) for 1 token, a drafting
+    one 2.15 ms for `spec_tokens(step)` (2.76: fixed k at 0.86x plain decoding) -> (k, writes_context) per
+    decision."""
+    writes: list[bool] = []
+
+    def seconds(n, verified, proposed):
+        writes.append(budget.writes_context)  # (the decision of step n was just made)
+        return 0.00215 if verified or proposed else plain_seconds(n)
+
+    ks = run_loop(budget, clock, 1, seconds, num_steps,
+                  tokens=lambda n, verified, proposed: spec_tokens(n) if verified or proposed else 1)
+    return ks, writes
+
+
+def assert_warm_before_drafting(ks: list[int], writes: list[bool], window: int) -> None:
+    """Every decision that drafts follows `window` decisions that wrote the context (drafting ones write; an engine
+    starts with nothing skipped)."""
+    for i, k in enumerate(ks):
+        if k:
+            assert writes[i] and all(writes[max(0, i - window) : i]), (i, writes[max(0, i - window) : i])
+
+
+@pytest.mark.parametrize("max_age", [2.0, 0.3])
+def test_settled_plain_decoding_skips_the_context_and_warms_it_before_each_probe(max_age):
+    """Plain decoding wins at c = 1 (drafting at 0.86x): once both arms are measured, most plain steps skip the write;
+    each probe of drafting still runs, after `window` steps that write: at its interval (the writes resume ahead
+    of it), or once drafting's samples are `max_age` seconds old (0.3 s: ~450 steps; the probe waits for them).
+    Without a window, every step writes."""
+    runs = {}
+    for window in (0, W):
+        clock = FakeClock()
+        budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, context_window=window,
+                                    max_age=max_age)
+        accepting(budget, 2)
+        runs[window] = c1_loop(budget, clock, 8000)
+    ks, writes = runs[W]
+    assert_warm_before_drafting(ks, writes, W)
+    assert sum(not w for w in writes[3000:]) / 5000 > 0.8  # the write skipped on most steps
+    starts = [i for i in range(3000, 8000) if ks[i] and not ks[i - 1]]
+    starts0 = [i for i in range(3000, 8000) if runs[0][0][i] and not runs[0][0][i - 1]]
+    assert len(starts) >= 3 and len(starts) >= len(starts0) - 1, (starts, starts0)  # the probes go on
+    assert sum(k > 0 for k in ks[3000:]) <= 3 * len(starts) + 3  # probes only
+    assert all(runs[0][1])  # no window: every step writes
+
+
+@pytest.mark.parametrize("change", ["drafting gains", "plain slows"])
+def test_a_switch_to_drafting_waits_for_the_context(change):
+    """At step 4000 drafting turns from 0.86x to 2x plain decoding: its tokens a step grow (the budget finds out at a
+    probe of drafting) or plain steps slow down 2.3x (the plain arm's own samples say so, while its steps skip the
+    context). Either way it drafts from then on, every drafting stretch after `window` steps that wrote."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, context_window=W)
+    accepting(budget, 2)
+    if change == "drafting gains":
+        ks, writes = c1_loop(budget, clock, 9000, spec_tokens=lambda n: 2.76 if n < 4000 else 6.4)
+    else:
+        ks, writes = c1_loop(budget, clock, 9000, plain_seconds=lambda n: 0.00067 if n < 4000 else 0.00155)
+    assert_warm_before_drafting(ks, writes, W)
+    assert not all(writes[2000:4000])  # it was cold before the change
+    assert sum(k > 0 for k in ks[7000:]) / 2000 > 0.95  # then drafting holds
+    assert all(writes[7000:])
+
+
+def scripted_run(method: str, static: bool, skip: bool, warm: int) -> tuple[list, dict, dict, dict]:
+    """Greedy run of 4 prompts: 2 steps (prompts), 12 plain steps that skip the drafter's context (`skip`; else
+    they write it), `warm` plain steps that write it, then drafting with k = 3 -> (outputs, {(request, pending
+    position): drafts}, {request: positions of the skipping steps' rows}, {request: its context rows by position})."""
+    cfg, model, tensors = tiny_setup()
+    eng = static_step_engine(model, tensors, method, static, max_num_seqs=4)
+    assert eng.spec.proposer.window == cfg.sliding_window
+    propose, steps, skipped = eng.spec.num_drafts_to_propose, [], {}
+
+    def num_drafts_to_propose(items, stats=None, num_running=None, **kw):
+        propose(items, stats, num_running, **kw)  # (the budget's bookkeeping)
+        n = len(steps)
+        steps.append(n)
+        cold = 2 <= n < 14
+        eng.spec.budget.writes_context = not (skip and cold)
+        if skip and cold:
+            for it in items:
+                skipped.setdefault(it.seq.request_id, []).append(it.seq.num_cached_tokens)
+        return 3 if n >= 14 + warm else 0
+
+    eng.spec.num_drafts_to_propose = num_drafts_to_propose
+    prompts = mixed_prompts(cfg.vocab_size, [7, 19, 33, 12], seed=3)
+    for i, p in enumerate(prompts):
+        eng.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True), request_id=str(i))
+    made, outputs, blocks = {}, {}, {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        for seq in eng.scheduler.running:
+            blocks[seq.request_id] = list(seq.block_ids)
+            if seq.spec.draft_ids:
+                made[(seq.request_id, seq.num_tokens)] = list(seq.spec.draft_ids)
+    bs, pools = eng.runner.cache.block_size, eng.spec.proposer.pools
+    rows = {}
+    for rid, ids in blocks.items():
+        n = len(prompts[int(rid)]) + 40  # positions every run has written by its end
+        at = [ids[p // bs] * bs + p % bs for p in range(n)]
+        rows[rid] = [pool[at].clone() for pool in pools]
+    return [outputs[str(i)] for i in range(len(prompts))], made, skipped, rows
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_skipped_rows_are_the_cold_steps_and_warm_up_restores_every_draft(method, static):
+    """Against a run whose every step writes: the same tokens; the context differs exactly at the rows of the steps
+    that skipped it (each request's positions there); and after `window` steps that write, every draft made is the
+    same, at the same positions (eager steps, and the static steps a GPU replays as graphs)."""
+    ref_out, ref_made, _, ref_rows = scripted_run(method, static, skip=False, warm=16)
+    out, made, skipped, rows = scripted_run(method, static, skip=True, warm=16)
+    assert out == ref_out
+    assert made == ref_made and len(made) >= 20
+    assert sorted(skipped) == ["0", "1", "2", "3"] and all(len(v) == 12 for v in skipped.values())
+    for rid, pos in skipped.items():
+        for pools, ref_pools in zip(rows[rid], ref_rows[rid]):
+            differs = sorted((pools != ref_pools).any(-1).nonzero().flatten().tolist())
+            assert differs == pos, (rid, differs, pos)
