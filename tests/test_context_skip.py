@@ -141,3 +141,20 @@ def test_skipped_rows_are_the_cold_steps_and_warm_up_restores_every_draft(method
         for pools, ref_pools in zip(rows[rid], ref_rows[rid]):
             differs = sorted((pools != ref_pools).any(-1).nonzero().flatten().tolist())
             assert differs == pos, (rid, differs, pos)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_only_the_adaptive_budget_of_a_device_drafter_may_skip_the_context(tmp_path):
+    """The budget's window is the device drafter's (DSpark, MTP: the target's sliding window); a fixed budget, which
+    never runs a plain arm, and a host drafter, which keeps no context, have none (every step writes)."""
+    from sparkspec.engine.config import EngineConfig
+    from sparkspec.engine.llm_engine import LLMEngine
+
+    cfg, model, tensors = tiny_setup()
+    for method, budget, window in (("dspark", "adaptive", cfg.sliding_window), ("mtp", "adaptive", cfg.sliding_window),
+                                   ("dspark", "fixed", 0), ("ngram", "adaptive", 0)):
+        eng = LLMEngine(model, None, EngineConfig(max_num_seqs=2, speculative=method, num_spec_tokens=3,
+                                                  spec_budget=budget, enforce_eager=True,
+                                                  cost_cache_dir=str(tmp_path)), tensors)
+        assert eng.spec.budget.context_window == window, (method, budget)
+        assert eng.spec.may_skip_context == (window > 0)

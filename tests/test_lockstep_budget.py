@@ -18,12 +18,15 @@ from sparkspec.engine.llm_engine import LLMEngine
 from sparkspec.sampling_params import SamplingParams
 
 
-def record_decisions(engine) -> list[int]:
+def record_decisions(engine) -> list[tuple[int, bool]]:
+    """Each step's k and whether it writes the drafter's context (`VerificationBudget.writes_context`: a rank whose
+    step skipped it would run another graph)."""
     ks, choose = [], engine.spec.num_drafts_to_propose
 
     def wrapped(*args, **kwargs):
-        ks.append(choose(*args, **kwargs))
-        return ks[-1]
+        k = choose(*args, **kwargs)
+        ks.append((k, engine.spec.budget.writes_context))
+        return k
 
     engine.spec.num_drafts_to_propose = wrapped
     return ks
