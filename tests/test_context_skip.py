@@ -83,12 +83,13 @@ def test_a_switch_to_drafting_waits_for_the_context(change):
     assert all(writes[7000:])
 
 
-def scripted_run(method: str, static: bool, skip: bool, warm: int) -> tuple[list, dict, dict, dict]:
+def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool = False
+                 ) -> tuple[list, dict, dict, dict]:
     """Greedy run of 4 prompts: 2 steps (prompts), 12 plain steps that skip the drafter's context (`skip`; else
     they write it), `warm` plain steps that write it, then drafting with k = 3 -> (outputs, {(request, pending
     position): drafts}, {request: positions of the skipping steps' rows}, {request: its context rows by position})."""
     cfg, model, tensors = tiny_setup()
-    eng = static_step_engine(model, tensors, method, static, max_num_seqs=4)
+    eng = static_step_engine(model, tensors, method, static, max_num_seqs=4, async_scheduling=overlap)
     assert eng.spec.proposer.window == cfg.sliding_window
     propose, steps, skipped = eng.spec.num_drafts_to_propose, [], {}
 
@@ -126,14 +127,15 @@ def scripted_run(method: str, static: bool, skip: bool, warm: int) -> tuple[list
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("static,overlap", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("method", ["dspark", "mtp"])
-def test_skipped_rows_are_the_cold_steps_and_warm_up_restores_every_draft(method, static):
+def test_skipped_rows_are_the_cold_steps_and_warm_up_restores_every_draft(method, static, overlap):
     """Against a run whose every step writes: the same tokens; the context differs exactly at the rows of the steps
     that skipped it (each request's positions there); and after `window` steps that write, every draft made is the
-    same, at the same positions (eager steps, and the static steps a GPU replays as graphs)."""
-    ref_out, ref_made, _, ref_rows = scripted_run(method, static, skip=False, warm=16)
-    out, made, skipped, rows = scripted_run(method, static, skip=True, warm=16)
+    same, at the same positions (eager steps, the static steps a GPU replays as graphs, and those launched ahead by
+    async scheduling)."""
+    ref_out, ref_made, _, ref_rows = scripted_run(method, static, skip=False, warm=16, overlap=overlap)
+    out, made, skipped, rows = scripted_run(method, static, skip=True, warm=16, overlap=overlap)
     assert out == ref_out
     assert made == ref_made and len(made) >= 20
     assert sorted(skipped) == ["0", "1", "2", "3"] and all(len(v) == 12 for v in skipped.values())
