@@ -227,7 +227,8 @@ def measure_level(args, work: Workload, engine, setting: Setting, c: int, startu
         extra += f"  host calib {row['host_calib_us'][0]:.0f}/{row['host_calib_us'][1]:.0f} us"
     print(f"  {setting.label:>20} c={c:<4} {row['tok_s_total']:8.1f} tok/s  tau={row['tau']:.2f}"
           f"  prefix hits {row['prefix_cache_hit_rate']:.3f}"
-          + (f"  drafting {row['drafting_step_frac']:.2f}" if "drafting_step_frac" in row else "") + extra,
+          + (f"  drafting {row['drafting_step_frac']:.2f}" if "drafting_step_frac" in row else "")
+          + (f"  context skipped {row['context_skipped_frac']:.2f}" if row.get("context_skipped_frac") else "") + extra,
           file=sys.stderr)
     return row
 
