@@ -48,7 +48,8 @@ The drafter's context: a device drafter writes every step's rows into its pools,
 `context_window` rows before their position. Where plain decoding holds its place, plain decode steps skip the
 write (`writes_context`), and writes resume `context_window` decisions before drafting's next regular probe; a
 switch to drafting, or a probe due by age, waits for that many steps that write. So the settled plain arm costs
-what the plain engine's step costs, and no draft reads a row a skipping step left stale.
+what the plain engine's step costs, and no draft reads a row a skipping step left stale (but one in a block taken
+from the prefix cache: `block_manager.py`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Two kinds of drafter:
   and overwritten by the step that commits its position before anything reads it, so rollback is free. One
   exception: while the adaptive budget's plain arm holds, plain decode steps skip the write, and drafting starts
   again only after `window` steps that wrote (`VerificationBudget.context_window`), so no draft reads a row they
-  skipped.
+  skipped (but in a block taken from the prefix cache: `block_manager.py`).
 * host drafters (`HostProposer`: n-gram, test drafters) look at the committed token ids after the copy.
 """
 
