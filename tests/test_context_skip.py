@@ -85,9 +85,10 @@ def test_a_switch_to_drafting_waits_for_the_context(change):
 
 def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool = False
                  ) -> tuple[list, dict, dict, dict]:
-    """Greedy run of 4 prompts: 2 steps (prompts), 12 plain steps that skip the drafter's context (`skip`; else
-    they write it), `warm` plain steps that write it, then drafting with k = 3 -> (outputs, {(request, pending
-    position): drafts}, {request: positions of the skipping steps' rows}, {request: its context rows by position})."""
+    """A run of 4 prompts (2 greedy, 2 sampled with seeds): 2 steps (prompts), 12 plain steps that skip the
+    drafter's context (`skip`; else they write it), `warm` plain steps that write it, then drafting with k = 3 ->
+    (outputs, {(request, pending position): drafts}, {request: positions of the skipping steps' rows}, {request:
+    its context rows by position})."""
     cfg, model, tensors = tiny_setup()
     eng = static_step_engine(model, tensors, method, static, max_num_seqs=4, async_scheduling=overlap)
     assert eng.spec.proposer.window == cfg.sliding_window
@@ -106,8 +107,9 @@ def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool
 
     eng.spec.num_drafts_to_propose = num_drafts_to_propose
     prompts = mixed_prompts(cfg.vocab_size, [7, 19, 33, 12], seed=3)
-    for i, p in enumerate(prompts):
-        eng.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True), request_id=str(i))
+    for i, p in enumerate(prompts):  # greedy and seeded sampled requests
+        params = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.8 * (i % 2), seed=40 + i)
+        eng.add_request(p, params, request_id=str(i))
     made, outputs, blocks = {}, {}, {}
     while eng.has_unfinished():
         for out in eng.step():

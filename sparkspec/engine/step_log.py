@@ -1,0 +1,133 @@
+"""The engine's steps as the adaptive budget measures them (pure Python; `budget.py` decides from them).
+
+A step's wall time is the interval between the starts of two consecutive steps (`StepLog.boundary`): everything
+the engine and its caller did for it, host included, less the time the garbage collector took in it
+(`GCClock`). The engine tells what the step does (`note_step`: its bucket's request count, drafts verified and
+proposed, its prompt chunks) and what it produced (`note_tokens`); the step is then filed under its arm
+(`StepTimes`), or, where it carried a joining request's chunk, with `JoinCosts`, or not at all (a transition, a
+wave of prompts, a launch async scheduling skips), with why in the trace (`bench offline --trace-budget`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sparkspec.engine.step_times import Arm, GCClock, JoinCosts, StepTimes
+
+
+class StepLog:
+    """Files each step's wall time under its arm as the next step starts; owns `StepTimes` and `JoinCosts`."""
+
+    def __init__(self, clock: Callable[[], float], gc_clock: GCClock | None = None):
+        self.step_times = StepTimes()
+        self.join_costs = JoinCosts()
+        self.clock = clock
+        # time in the garbage collector, left out of the filed steps (None: nothing left out)
+        self.gc_clock = gc_clock
+        self._gc_at_start = 0.0
+        self.now = 0.0  # clock at the step in progress's start
+        self._step_start: float | None = None
+        self._last_step: tuple[int, bool, bool, bool] | None = None  # (bucket requests, verified any, proposed
+        # any, carried a prompt chunk)
+        self._last_tokens: int | None = None  # tokens the step in progress produced (`note_tokens`)
+        self._last_prompt_tokens = 0  # prompt (or recompute) chunk tokens the step in progress carried
+        self._last_chunks = 0  # and their chunks (requests joining, or a long prompt's next part)
+        self._last_decode = 0  # and its decode rows
+        # a list to append every filed (or unfiled) step to, shared with the budget's decisions; None: off
+        self.trace: list[dict] | None = None
+
+    def boundary(self) -> None:
+        """A step starts: the interval since the previous start, less the time the garbage collector took in it
+        (`GCClock`), is that step's wall time, filed under its arm (steps that verified and proposed drafts: spec;
+        neither: plain; a transition between them: not filed): with `StepTimes` where it carried no prompt chunk,
+        else with `JoinCosts`, as its seconds over the arm's step without one. Every step's chunks and tokens go to
+        `JoinCosts`' rate."""
+        now = self.clock()
+        in_gc = self.gc_clock.seconds if self.gc_clock is not None else 0.0
+        if self._step_start is not None:
+            seconds = now - self._step_start - (in_gc - self._gc_at_start)  # (`GCClock`)
+            event: dict = {"unfiled": "skipped"}
+            chunks = self._last_chunks
+            if self._last_step is not None:
+                num_reqs, verified, proposed, has_prompt = self._last_step
+                event = {"running": num_reqs, "verified": verified, "proposed": proposed,
+                         "prompt_tokens": self._last_prompt_tokens, "chunks": chunks}
+                arm: Arm = "spec" if verified else "plain"
+                if verified != proposed:
+                    event["unfiled"] = "transition"
+                elif chunks:
+                    free = self.step_times.seconds(num_reqs, arm)
+                    if free is None or chunks > max(1, self._last_decode // 4):
+                        event["unfiled"] = "prompt"  # a wave of prompts, or nothing to measure them against yet
+                    else:
+                        event["joined"] = arm
+                        self.join_costs.observe(num_reqs, arm, seconds - free, chunks)
+                elif has_prompt:
+                    event["unfiled"] = "prompt"
+                else:
+                    event["filed"] = arm
+                    self.step_times.observe(num_reqs, arm, seconds, self._last_tokens, now)
+            if self._last_tokens is not None and 0.0 < seconds <= self.step_times.max_seconds:
+                self.join_costs.note_rate(chunks, self._last_tokens)
+            if self.trace is not None:  # every step: those not filed too, with why (a later estimator's data)
+                event |= {"ms": round(1e3 * seconds, 3), "gc_ms": round(1e3 * (in_gc - self._gc_at_start), 3),
+                          "tokens": self._last_tokens}
+                self.trace.append(event)
+        self._step_start, self._last_step, self._last_tokens, self._gc_at_start = now, None, None, in_gc
+        self._last_chunks = 0
+        self.now = now
+
+    def idle(self) -> None:
+        """The engine has no request left: the step in progress ends now, and no interval runs until the next step
+        opens one. Before, the wait for work was filed as part of the last step before it: in `bench offline`, the
+        gap between two levels (the level's summary, the next level's warm-up) went to the bucket of the last
+        request still running, and on the H200 demo pair plain decoding at one request was filed at 38.5 tokens a
+        second against ~1,500 as run (a server between bursts does the same, with gaps up to `StepTimes.max_seconds`).
+        Drafting then led by 20 % there and drafted in the tail of every level, where a plain step costs a third
+        of a drafting one."""
+        self.boundary()
+        self._step_start = None
+
+    def note_step(self, num_reqs: int, num_verified: int, num_proposed: int, has_prompt: bool = False,
+                  prompt_tokens: int = 0, num_chunks: int = 0, num_decode: int = 0) -> None:
+        """What the step that `step_boundary` opened does: its bucket's request count (the requests the engine
+        runs, or those that sample), drafts verified, drafts to propose, and whether it is a prompt's step: the
+        engine says so where its prompt chunks hold more tokens than it has decode rows (`SpecPolicy`).
+
+        `prompt_tokens` and `num_chunks`: the step's prompt (or recompute) chunks, beside `num_decode` decode rows.
+        A step that carries chunks is filed with `JoinCosts` (what it took over the arm's step without one, per
+        chunk), unless its chunks are a wave (more than a quarter of its decode rows, and more than one): all of a
+        level's requests arriving at once, or, with one output length in lockstep, all of them ending at once. A
+        wave's steps are mostly prefill, and their cost per chunk is not what a request joining a running batch
+        costs (steps with many chunks share one prefill graph); filed, they did harm: at a level's start the arm
+        not chosen keeps the few samples its first probe took there (on the H200 demo pair at c = 256, plain
+        decoding held 47.7, 15.1 and 5.9 ms steps, measured at 10.7 k tok/s against drafting's 27 k, and was not
+        chosen again in the level).
+
+        Steps that carry chunks used to be filed with the arm's other steps where the chunks held no more tokens
+        than the step had decode rows, and not at all otherwise. Both hid what joining costs drafting: with
+        prompts of 130 tokens beside 16 decode rows none was filed, and where a drafting probe ran between the
+        joins of a batch in lockstep, none was seen (`JoinCosts` says what that cost at c = 16 on the H200)."""
+        self._last_step = (num_reqs, num_verified > 0, num_proposed > 0, has_prompt)
+        self._last_prompt_tokens, self._last_chunks, self._last_decode = prompt_tokens, num_chunks, num_decode
+
+    def skip_step(self) -> None:
+        """The step in progress is not filed. Async scheduling launches the first step of a plain stretch and
+        returns before reading anything, so the interval to the next step's start is the launch alone; the second
+        launch then reads the first, which the device started only just before, so its interval is a step in turn
+        (the engine skips both). Tokens are read (`note_tokens`) one step late: each later launched step is filed
+        with the tokens of the step before it, which a plain stretch makes nearly the same."""
+        self._last_step = None
+
+    def note_tokens(self, num_tokens: int) -> None:
+        """Tokens the step in progress produced (after its commit). With them the measured arms compare tokens
+        per second as produced, which also holds where the arms schedule different request counts: a drafting
+        step reserves 1 + k rows per request, so under the token budget it may run fewer requests than a plain
+        step at the same concurrency.
+
+        Several reads within one step's interval add up: where a step reads the one launched before it and then
+        runs one in turn, or reads the last step in flight with nothing to schedule, the interval's wall time holds
+        both. Before, the second read replaced the first, and the plain arm, which reads one step late, was filed
+        short of the tokens its time produced (a CPU closed loop at c = 8, plain decoding: 8.00 tokens per filed
+        step against 8.28 with both reads counted), while drafting, which reads in turn, was filed in full."""
+        self._last_tokens = num_tokens if self._last_tokens is None else self._last_tokens + num_tokens
