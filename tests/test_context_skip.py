@@ -7,7 +7,10 @@ device cost. The write only matters for the `window` rows that the first drafts 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 from spec_helpers import mixed_prompts, one_thread, static_step_engine, tiny_setup  # noqa: F401
 from test_budget_regime import FakeClock, accepting, flat_table, run_loop
 
@@ -83,14 +86,25 @@ def test_a_switch_to_drafting_waits_for_the_context(change):
     assert all(writes[7000:])
 
 
-def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool = False
+def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool = False, cuda: bool = False
                  ) -> tuple[list, dict, dict, dict]:
     """A run of 4 prompts (2 greedy, 2 sampled with seeds): 2 steps (prompts), 12 plain steps that skip the
     drafter's context (`skip`; else they write it), `warm` plain steps that write it, then drafting with k = 3 ->
     (outputs, {(request, pending position): drafts}, {request: positions of the skipping steps' rows}, {request:
-    its context rows by position})."""
+    its context rows by position}). `cuda`: fp32 on the GPU, its steps as captured CUDA graphs (the skipping
+    ones captured on first use)."""
     cfg, model, tensors = tiny_setup()
-    eng = static_step_engine(model, tensors, method, static, max_num_seqs=4, async_scheduling=overlap)
+    if cuda:
+        from sparkspec.engine.config import EngineConfig
+        from sparkspec.engine.llm_engine import LLMEngine
+
+        model = copy.deepcopy(model).to("cuda").keep_fp32()
+        eng = LLMEngine(model, None, EngineConfig(max_num_seqs=4, speculative=method, num_spec_tokens=3,
+                                                  spec_budget="fixed", async_scheduling=overlap,
+                                                  max_num_batched_tokens=128), tensors)
+        assert eng.runner.graphs is not None
+    else:
+        eng = static_step_engine(model, tensors, method, static, max_num_seqs=4, async_scheduling=overlap)
     assert eng.spec.proposer.window == cfg.sliding_window
     propose, steps, skipped = eng.spec.num_drafts_to_propose, [], {}
 
@@ -162,3 +176,19 @@ def test_only_the_adaptive_budget_of_a_device_drafter_may_skip_the_context(tmp_p
                                                   cost_cache_dir=str(tmp_path)), tensors)
         assert eng.spec.budget.context_window == window, (method, budget)
         assert eng.spec.may_skip_context == (window > 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_skipping_graphs_leave_exactly_their_rows(method, overlap):
+    """The same on the GPU with captured graphs (fp32), in turn and launched ahead: a skipping step replays the
+    plain engine's graph (no taps, no context write), and nothing else changes."""
+    ref_out, ref_made, _, ref_rows = scripted_run(method, True, skip=False, warm=16, overlap=overlap, cuda=True)
+    out, made, skipped, rows = scripted_run(method, True, skip=True, warm=16, overlap=overlap, cuda=True)
+    assert out == ref_out
+    assert made == ref_made and len(made) >= 20
+    for rid, pos in skipped.items():
+        for pools, ref_pools in zip(rows[rid], ref_rows[rid]):
+            assert sorted((pools != ref_pools).any(-1).nonzero().flatten().tolist()) == pos, rid
