@@ -6,7 +6,8 @@ steps, must still count.)"""
 import pytest
 from test_budget_regime import FakeClock, K, accepting, flat_table, run_loop
 
-from sparkspec.engine.budget import VerificationBudget, survival
+from sparkspec.engine.acceptance import survival
+from sparkspec.engine.budget import VerificationBudget
 from sparkspec.engine.step_times import StepTimes
 
 

@@ -3,7 +3,8 @@ step-time observations, a fake clock, no engine."""
 
 import pytest
 
-from sparkspec.engine.budget import VerificationBudget, survival
+from sparkspec.engine.acceptance import survival
+from sparkspec.engine.budget import VerificationBudget
 from sparkspec.engine.cost_table import CostTable
 from sparkspec.engine.step_times import GCClock, StepTimes, bucket_of
 

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from sparkspec.engine.budget import AcceptanceEstimator, VerificationBudget, survival, verify_lengths
+from sparkspec.engine.acceptance import AcceptanceEstimator, survival, verify_lengths
+from sparkspec.engine.budget import VerificationBudget
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.cost_table import CostTable, load_or_measure
 from sparkspec.engine.kv_plan import cache_bytes_per_token, parse_memory, plan_kv_cache

@@ -1,9 +1,10 @@
 """Speculation policy for the engine: which drafts each request verifies, how many to propose next, and the
-acceptance bookkeeping. The device work (verify, accept, propose) happens in `model_runner.py`.
+acceptance bookkeeping. The device work (verify, accept, propose) happens in `device_step.py`.
 
 Per request, the drafts proposed at the end of step n (and their confidences) arrive on the host with step n's
-results; step n+1 verifies a prefix of them: the verification budget (`budget.py`, DSpark Algorithm 1) picks its
-length from the confidences and the measured step costs. A request with no drafts is a plain decode row.
+results; step n+1 verifies a prefix of them: the verification budget (`budget.py`; DSpark Algorithm 1 in
+`acceptance.py`) picks its length from the confidences and the measured step costs. A request with no drafts is
+a plain decode row.
 
 Whether the next step drafts at all is the budget's regime decision, from the wall time the engine actually spends
 per step: `choose` opens each step on the budget's clock (the interval since the previous `choose` is everything
