@@ -64,6 +64,24 @@ def static_step_engine(model, tensors, method: str, static: bool, max_num_seqs: 
     return eng
 
 
+def run_recording_drafts(eng, prompts: list[list[int]], params: list) -> tuple[list[list[int]], dict, dict]:
+    """Add `prompts` (request ids "0", "1", ...; `params` one per prompt) and step `eng` until every request ends ->
+    (output ids per prompt, {(request, pending position): the drafts it held there}, {request: its block ids as
+    last seen running})."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(p, sp, request_id=str(i))
+    made, outputs, blocks = {}, {}, {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        for seq in eng.scheduler.running:
+            blocks[seq.request_id] = list(seq.block_ids)
+            if seq.spec.draft_ids:
+                made[(seq.request_id, seq.num_tokens)] = list(seq.spec.draft_ids)
+    return [outputs[str(i)] for i in range(len(prompts))], made, blocks
+
+
 def mixed_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # ids >= 4 keep clear of bos / eos / the noise token; repeats make n-gram lookup fire now and then

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from spec_helpers import mixed_prompts, one_thread, static_step_engine, tiny_setup  # noqa: F401
+from spec_helpers import mixed_prompts, one_thread, run_recording_drafts, static_step_engine, tiny_setup  # noqa: F401
 from test_budget_regime import FakeClock, accepting, flat_table, run_loop
 
 from sparkspec.engine.budget import VerificationBudget
@@ -121,25 +121,16 @@ def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool
 
     eng.spec.num_drafts_to_propose = num_drafts_to_propose
     prompts = mixed_prompts(cfg.vocab_size, [7, 19, 33, 12], seed=3)
-    for i, p in enumerate(prompts):  # greedy and seeded sampled requests
-        params = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.8 * (i % 2), seed=40 + i)
-        eng.add_request(p, params, request_id=str(i))
-    made, outputs, blocks = {}, {}, {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-        for seq in eng.scheduler.running:
-            blocks[seq.request_id] = list(seq.block_ids)
-            if seq.spec.draft_ids:
-                made[(seq.request_id, seq.num_tokens)] = list(seq.spec.draft_ids)
+    params = [SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.8 * (i % 2), seed=40 + i)
+              for i in range(len(prompts))]  # greedy and seeded sampled requests
+    outputs, made, blocks = run_recording_drafts(eng, prompts, params)
     bs, pools = eng.runner.cache.block_size, eng.spec.proposer.pools
     rows = {}
     for rid, ids in blocks.items():
         n = len(prompts[int(rid)]) + 40  # positions every run has written by its end
         at = [ids[p // bs] * bs + p % bs for p in range(n)]
         rows[rid] = [pool[at].clone() for pool in pools]
-    return [outputs[str(i)] for i in range(len(prompts))], made, skipped, rows
+    return outputs, made, skipped, rows
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,7 @@ do skip the write, and drafting waits for the window to be written again: `test_
 from __future__ import annotations
 
 import pytest
-from spec_helpers import mixed_prompts, one_thread, tiny_setup  # noqa: F401
+from spec_helpers import mixed_prompts, one_thread, run_recording_drafts, tiny_setup  # noqa: F401
 
 from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.llm_engine import LLMEngine
@@ -34,17 +34,8 @@ def drafts_by_position(method: str, skip_every: int) -> tuple[dict, list[list[in
 
     eng.spec.num_drafts_to_propose = num_drafts_to_propose
     prompts = mixed_prompts(cfg.vocab_size, [7, 19, 33, 12], seed=3)
-    for i, p in enumerate(prompts):
-        eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True), request_id=str(i))
-    made, outputs = {}, {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-        for seq in eng.scheduler.running:
-            if seq.spec.draft_ids:
-                made[(seq.request_id, seq.num_tokens)] = list(seq.spec.draft_ids)
-    return made, [outputs[str(i)] for i in range(len(prompts))]
+    outputs, made, _ = run_recording_drafts(eng, prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * 4)
+    return made, outputs
 
 
 @pytest.mark.parametrize("method", ["dspark", "mtp"])

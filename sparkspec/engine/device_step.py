@@ -67,7 +67,7 @@ class DeviceStep:
 
     def forward(self, p: PackedStep, context: bool = True):
         """The one host->device copy and the target forward, eagerly -> (batch, output, the uploaded parts).
-        `context` False: no taps for the drafter (`writes_context`)."""
+        `context` False: no taps for the drafter (`ModelRunner.writes_context`)."""
         items = p.items
         ids = [t for row in p.item_ids for t in row]
         batch = build_batch(self.cache, ids, [it.seq.block_ids for it in items],
