@@ -27,7 +27,9 @@ per request) may schedule fewer requests than a plain one at the same concurrenc
 one bucket.
 Until both arms of a bucket are observed, the cost table decides (as before), and short probes of the arm not
 chosen (a few steps every `probe_every` decisions) keep both arms' times and the acceptance estimate fresh. The
-regime decision reads past steps only, never the drafts at hand, so verification stays lossless.
+regime decision reads past steps only, never the drafts at hand, so verification stays lossless. Where an arm has
+settled, its decision is repeated without the model until the first decision that could differ (a refresh of the
+rates, a probe due, the context's window: `_Coast`): the same decisions at a fraction of the host time a step.
 
 The drafter's context: a device drafter writes every step's rows into its pools, and its drafts read the
 `context_window` rows before their position. Where plain decoding holds its place, plain decode steps skip the
@@ -75,6 +77,31 @@ class _Probe:
     challenged_at: int | None = None
 
 
+@dataclass(slots=True)
+class _Coast:
+    """A settled arm's decision, made again without the model while it cannot differ (`VerificationBudget._coast_from`):
+    for the bucket's decisions before `until`, while the clock is at most `deadline` (the other arm's samples grow
+    stale then), in the same bucket (`sig`; on steps not padded also the same request and token counts and the same
+    acceptance estimate: Algorithm 1's k moves with them there, and a k of 0 zeroes the spec arm). `k` and `cold`
+    are what it decided.
+
+    Why: a decision in full reads both arms' rates, the probe rules and the context's state. Inside a c = 1 engine
+    on a 2-core CPU whose pure-Python speed (`bench offline --calibrate-host`) is the H200 host's, it took ~20 us a
+    step (7 us in a micro-benchmark, its caches warm). At c = 1 on the H200 demo pair a plain step of 0.66 ms is
+    bound by the host about as much as by the device, and a DSpark engine whose budget never drafted ran at 0.92x
+    the plain engine (twelfth session) against 0.96x for one whose budget was a constant. Coasting makes all but
+    one decision in `refresh` (8), and the probes', a few comparisons: there the speculation policy's host time a
+    step went from ~47 to ~30 us.
+    """
+
+    probe: _Probe
+    until: int
+    deadline: float
+    sig: int | tuple[int, int, int, int]
+    k: int
+    cold: bool
+
+
 class VerificationBudget:
     """Chooses l_r for every decode request of a step and k for the next one. `fixed` verifies every draft;
     `adaptive` runs Algorithm 1, or, on `padded` steps, verifies every draft or none.
@@ -96,7 +123,7 @@ class VerificationBudget:
                  probe_len: int = 3, max_first_probes: int = 4, max_backoff: int = 16, trusted_margin: float = 2.0,
                  plain_probe_extra: int = 0, spec_margin: float = 1.05, gc_clock: GCClock | None = None,
                  max_age: float = 2.0, refresh: int = 8, confirm: bool = True, switch_margin: float = 1.03,
-                 context_window: int = 0):
+                 context_window: int = 0, coast: bool = True):
         if mode not in BUDGET_MODES:
             raise ValueError(f"spec budget {mode!r}: expected one of {BUDGET_MODES}")
         if mode == "adaptive" and cost is None:
@@ -176,6 +203,10 @@ class VerificationBudget:
         self._plans: dict[tuple[int, int], tuple[int, float, float, float]] = {}  # `static_plan`, by its arguments
         self._plans_version = -1  # the estimator's version `_plans` were computed at
         self._proposing = False  # the last `next_num_drafts` asked for drafts: padded steps verify them all
+        # a settled arm's decisions, until the first one that could differ (`_Coast`); None: decide in full. Off:
+        # every decision is made in full (the coasting test compares the two)
+        self.coast = coast
+        self._coast: _Coast | None = None
 
     # ---- whole-step wall time (`StepLog`) ----
     @property
@@ -202,6 +233,7 @@ class VerificationBudget:
     @trace.setter
     def trace(self, trace: list[dict] | None) -> None:
         self.log.trace = trace
+        self._coast = None  # (a traced decision is made in full)
 
     def step_boundary(self) -> None:
         """A step starts (`StepLog.boundary`)."""
@@ -359,7 +391,20 @@ class VerificationBudget:
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
         key = num_reqs if num_running is None else num_running
-        st = self._probes.setdefault(bucket_of(key), _Probe())
+        bucket = bucket_of(key)
+        c = self._coast
+        if c is not None:  # a settled arm: the decision is the last one until `c.until` (`_Coast`)
+            st = c.probe
+            if st.num_decisions + 1 < c.until and self.log.now <= c.deadline \
+                    and c.sig == (bucket if self.padded else self._sig(bucket, num_reqs, num_base_tokens)):
+                st.num_decisions += 1
+                cold = c.cold and not has_prompt  # (a prompt's step writes: below)
+                self.writes_context = not cold
+                self._warm = 0 if cold else min(self._warm + 1, self.context_window)
+                self._proposing = c.k > 0
+                return c.k
+            self._coast = None
+        st = self._probes.setdefault(bucket, _Probe())
         st.num_decisions += 1
         ended = st.best_before is not None and not st.left
         if ended:  # (what the probe measured counts at once)
@@ -423,18 +468,62 @@ class VerificationBudget:
         k = k_spec if arm == "spec" else 0
         self._proposing = k > 0
         # plain decoding holds its place, measured and unchallenged, and drafting's next regular probe is more than
-        # `context_window` decisions away (a probe due by age, or a switch, waits for `ready`)
-        cold = bool(self.context_window) and not k and not warming and not st.left and measured \
+        # `context_window` decisions away (a probe due by age, or a switch, waits for `ready`). A prompt's step
+        # writes its rows anyway (`ModelRunner.writes_context`) and counts toward the window: counted cold, it
+        # restarted the wait, and at c = 1 with requests of 64 tokens (a window of 64) each request's prefill did,
+        # so a probe due by age never started
+        cold = bool(self.context_window) and not k and not warming and not st.left and not has_prompt and measured \
             and st.current == "plain" and st.challenged_at is None \
             and st.last_start + every - st.num_decisions > self.context_window
         self.writes_context = not cold
         self._warm = 0 if cold else min(self._warm + 1, self.context_window)
+        if self.coast and self.trace is None and not has_prompt and (arm == best or warming):
+            self._coast = self._coast_from(st, key, bucket, num_reqs, num_base_tokens, measured, best, other, every,
+                                           k, cold, warming)
         if self.trace is not None:
             self.trace.append({"decided": arm, "running": key, "k": k, "best": best, "prior": prior, "held": held,
                                "probe": st.arm if arm != best and not warming else None, "measured": measured,
                                "has_prompt": has_prompt, "cold": cold, "warming": warming,
                                "theta": {a: round(t, 1) for a, t in theta.items()}})
         return k
+
+    def _coast_from(self, st: _Probe, key: int, bucket: int, num_reqs: int, num_base_tokens: int, measured: bool,
+                    best: Arm, other: Arm, every: int, k: int, cold: bool, warming: bool) -> _Coast | None:
+        """After a decision in full: how long the same decision holds (`_Coast`), or None where the next one may differ
+        anyway. It holds while the arm is settled (both arms measured, no probe in progress or just ended, no
+        challenge, the rates all measured and kept: `refresh`) and nothing that a decision reads moves: no regular
+        probe due (`every`), the other arm's samples not yet `max_age` old, the context write's state (`cold`)
+        unchanged (or, `warming`, until the window is written), no first probe of plain decoding possible where
+        drafting runs (`max_first_probes` spent, or plain decoding has its samples: drafting's stretch files none).
+        A prompt's step (`has_prompt`) starts no probe, so it coasts too, but none starts a coast: it writes, where the
+        steps after it may not."""
+        rates = st.rates
+        if not measured or st.left or st.best_before is not None or st.challenged_at is not None \
+                or best != st.current or rates is None or rates["plain"] is None or rates["spec"] is None \
+                or (best == "spec" and st.num_started < self.max_first_probes
+                    and self.step_times.count(key, "plain") < max(self.min_samples, self.step_times.min_trim)):
+            return None
+        if warming:  # plain decoding, writing, until the window is written (a probe or a switch then starts)
+            until = min(st.rates_at + self.refresh, st.num_decisions + 1 + self.context_window - self._warm)
+            return _Coast(st, until, float("inf"), self._sig(bucket, num_reqs, num_base_tokens), 0, False) \
+                if st.num_decisions + 1 < until else None
+        until = min(st.rates_at + self.refresh, st.last_start + every)
+        if cold:
+            until = min(until, st.last_start + every - self.context_window)
+        deadline = float("inf")
+        newest = self.step_times.newest_at(key, other)
+        if newest is not None:
+            if self.log.now - newest > self.max_age:  # stale: a probe is due once `probe_every` decisions have passed
+                until = min(until, st.last_start + self.probe_every)
+            else:
+                deadline = newest + self.max_age
+        if st.num_decisions + 1 >= until:
+            return None
+        return _Coast(st, until, deadline, self._sig(bucket, num_reqs, num_base_tokens), k, cold)
+
+    def _sig(self, bucket: int, num_reqs: int, num_base_tokens: int) -> int | tuple[int, int, int, int]:
+        """What a coasting decision must be asked with (`_Coast.sig`)."""
+        return bucket if self.padded else (bucket, num_reqs, num_base_tokens, self.estimator.version)
 
     def _spec_leads(self, theta: dict[Arm, float], key: int, measured: bool | None = None,
                     current: Arm | None = None) -> bool:

@@ -46,36 +46,50 @@ class StepLog:
         in_gc = self.gc_clock.seconds if self.gc_clock is not None else 0.0
         if self._step_start is not None:
             seconds = now - self._step_start - (in_gc - self._gc_at_start)  # (`GCClock`)
-            event: dict = {"unfiled": "skipped"}
-            chunks = self._last_chunks
-            if self._last_step is not None:
-                num_reqs, verified, proposed, has_prompt = self._last_step
-                event = {"running": num_reqs, "verified": verified, "proposed": proposed,
-                         "prompt_tokens": self._last_prompt_tokens, "chunks": chunks}
+            chunks, tokens, last = self._last_chunks, self._last_tokens, self._last_step
+            why = "skipped"  # (the trace's word for a step not filed; None: filed with `StepTimes`)
+            if last is not None:
+                num_reqs, verified, proposed, has_prompt = last
                 arm: Arm = "spec" if verified else "plain"
                 if verified != proposed:
-                    event["unfiled"] = "transition"
+                    why = "transition"
                 elif chunks:
                     free = self.step_times.seconds(num_reqs, arm)
                     if free is None or chunks > max(1, self._last_decode // 4):
-                        event["unfiled"] = "prompt"  # a wave of prompts, or nothing to measure them against yet
+                        why = "prompt"  # a wave of prompts, or nothing to measure them against yet
                     else:
-                        event["joined"] = arm
+                        why = "joined"
                         self.join_costs.observe(num_reqs, arm, seconds - free, chunks)
                 elif has_prompt:
-                    event["unfiled"] = "prompt"
+                    why = "prompt"
                 else:
-                    event["filed"] = arm
-                    self.step_times.observe(num_reqs, arm, seconds, self._last_tokens, now)
-            if self._last_tokens is not None and 0.0 < seconds <= self.step_times.max_seconds:
-                self.join_costs.note_rate(chunks, self._last_tokens)
+                    why = None
+                    self.step_times.observe(num_reqs, arm, seconds, tokens, now)
+            if tokens is not None and 0.0 < seconds <= self.step_times.max_seconds:
+                self.join_costs.note_rate(chunks, tokens)
             if self.trace is not None:  # every step: those not filed too, with why (a later estimator's data)
-                event |= {"ms": round(1e3 * seconds, 3), "gc_ms": round(1e3 * (in_gc - self._gc_at_start), 3),
-                          "tokens": self._last_tokens}
-                self.trace.append(event)
+                self.trace.append(self._event(last, why, seconds, in_gc - self._gc_at_start))
         self._step_start, self._last_step, self._last_tokens, self._gc_at_start = now, None, None, in_gc
         self._last_chunks = 0
         self.now = now
+
+    def _event(self, last: tuple[int, bool, bool, bool] | None, why: str | None, seconds: float, gc_seconds: float
+               ) -> dict:
+        """The trace's record of a step (`boundary`)."""
+        event: dict = {"unfiled": "skipped"}
+        if last is not None:
+            num_reqs, verified, proposed, _ = last
+            event = {"running": num_reqs, "verified": verified, "proposed": proposed,
+                     "prompt_tokens": self._last_prompt_tokens, "chunks": self._last_chunks}
+            arm = "spec" if verified else "plain"
+            if why is None:
+                event["filed"] = arm
+            elif why == "joined":
+                event["joined"] = arm
+            else:
+                event["unfiled"] = why
+        return event | {"ms": round(1e3 * seconds, 3), "gc_ms": round(1e3 * gc_seconds, 3),
+                        "tokens": self._last_tokens}
 
     def idle(self) -> None:
         """The engine has no request left: the step in progress ends now, and no interval runs until the next step

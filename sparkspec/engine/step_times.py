@@ -198,6 +198,7 @@ class _Window:
         self.sum_seconds = 0.0
         self.sum_tokens = 0
         self.missing = 0  # samples without tokens
+        self.num_refs = 0  # samples with a reference (`young_step_seconds`)
         self._top: tuple[float, int] | None = (0.0, 0)  # (seconds, tokens) of the longest sample; None: look again
 
     def add(self, seconds: float, tokens: int | None, ref: float | None, at: float | None = None) -> None:
@@ -208,6 +209,7 @@ class _Window:
             self.sum_seconds -= self.seconds[0]
             self.sum_tokens -= old_tok
             self.missing -= self.tokens[0] is None
+            self.num_refs -= self.refs[0] is not None
             if self._top == (self.seconds[0], old_tok):
                 self._top = None
         self.recent_sum += seconds
@@ -219,6 +221,7 @@ class _Window:
         self.sum_seconds += seconds
         self.sum_tokens += tok
         self.missing += tokens is None
+        self.num_refs += ref is not None
         if self._top is not None:
             self._top = max(self._top, (seconds, tok))
 
@@ -226,7 +229,13 @@ class _Window:
                            min_trim: int) -> float:
         """Mean step seconds of the samples taken within `young` seconds before `now` (all, where `now` or a
         sample's time is None), or of the last `at_least` where fewer are; each with a reference timed at `ref_now`
-        (the other arm's mean step now; None: as measured); the longest left out once there are `min_trim`."""
+        (the other arm's mean step now; None: as measured); the longest left out once there are `min_trim`. O(1)
+        where every sample is young and none has a reference (the arm that runs, between probes): the window's
+        sums, as `StepTimes.seconds`."""
+        oldest = self.times[0]
+        if not self.num_refs and (now is None or oldest is None or now - oldest <= young):
+            n = len(self.seconds)
+            return (self.sum_seconds - self.top()[0]) / (n - 1) if n >= min_trim else self.sum_seconds / n
         vals = []
         for s, r, t in zip(reversed(self.seconds), reversed(self.refs), reversed(self.times)):
             if len(vals) >= at_least and now is not None and t is not None and now - t > young:
