@@ -90,8 +90,8 @@ class _Coast:
     step (7 us in a micro-benchmark, its caches warm). At c = 1 on the H200 demo pair a plain step of 0.66 ms is
     bound by the host about as much as by the device, and a DSpark engine whose budget never drafted ran at 0.92x
     the plain engine (twelfth session) against 0.96x for one whose budget was a constant. Coasting makes all but
-    one decision in `refresh` (8), and the probes', a few comparisons: there the speculation policy's host time a
-    step went from ~47 to ~30 us.
+    one decision in `refresh` (8), and the probes', a few comparisons: there `next_num_drafts` went from ~23 to ~11
+    us a step, and the speculation policy's host time from ~54 to ~40 (three runs each, interleaved).
     """
 
     probe: _Probe
