@@ -89,11 +89,11 @@ class _Coast:
     on a 2-core CPU whose pure-Python speed (`bench offline --calibrate-host`) is the H200 host's, it took ~23 us a
     step, 7 us in a micro-benchmark (that CPU also runs the model between two decisions, which leaves its caches
     cold; the H200's host only launches graphs, and likely lies between the two). At c = 1 on the H200 demo pair
-    a plain step of 0.66 ms is bound by the host about as much as by the device, and a DSpark engine whose budget
-    never drafted ran at 0.92x the plain engine (twelfth session) against 0.96x for one whose budget was a
-    constant. Coasting makes all but one decision in `refresh` (8), and the probes', a few comparisons: on that CPU
-    `next_num_drafts` went from ~23 to ~11 us a step, and the speculation policy's host time from ~54 to ~40
-    (three runs each, interleaved).
+    a plain step of 0.66 ms is bound by the host about as much as by the device (on a slower host, more), so each
+    us of a drafting engine's own host work a step counts there. Coasting makes all but one decision in `refresh`
+    (8), and the probes', a few comparisons: on that CPU `next_num_drafts` went from ~23 to ~11 us a step, and the
+    speculation policy's host time from ~54 to ~40 (three runs each, interleaved); the micro-benchmark's budget
+    work a step, 6.0 to 4.3 us.
     """
 
     probe: _Probe
