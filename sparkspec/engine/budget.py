@@ -398,11 +398,9 @@ class VerificationBudget:
         if c is not None:  # a settled arm: the decision is the last one until `c.until` (`_Coast`)
             st = c.probe
             if st.num_decisions + 1 < c.until and self.log.now <= c.deadline \
-                    and c.sig == (bucket if self.padded else self._sig(bucket, num_reqs, num_base_tokens)):
+                    and c.sig == self._sig(bucket, num_reqs, num_base_tokens):
                 st.num_decisions += 1
-                cold = c.cold and not has_prompt  # (a prompt's step writes: below)
-                self.writes_context = not cold
-                self._warm = 0 if cold else min(self._warm + 1, self.context_window)
+                self._note_write(c.cold and not has_prompt)  # (a prompt's step writes: below)
                 self._proposing = c.k > 0
                 return c.k
             self._coast = None
@@ -477,8 +475,7 @@ class VerificationBudget:
         cold = bool(self.context_window) and not k and not warming and not st.left and not has_prompt and measured \
             and st.current == "plain" and st.challenged_at is None \
             and st.last_start + every - st.num_decisions > self.context_window
-        self.writes_context = not cold
-        self._warm = 0 if cold else min(self._warm + 1, self.context_window)
+        self._note_write(cold)
         if self.coast and self.trace is None and not has_prompt and (arm == best or warming):
             self._coast = self._coast_from(st, key, bucket, num_reqs, num_base_tokens, measured, best, other, every,
                                            k, cold, warming)
@@ -488,6 +485,11 @@ class VerificationBudget:
                                "has_prompt": has_prompt, "cold": cold, "warming": warming,
                                "theta": {a: round(t, 1) for a, t in theta.items()}})
         return k
+
+    def _note_write(self, cold: bool) -> None:
+        """The decided step writes the drafter's context unless `cold`; `_warm` counts such steps in a row."""
+        self.writes_context = not cold
+        self._warm = 0 if cold else min(self._warm + 1, self.context_window)
 
     def _coast_from(self, st: _Probe, key: int, bucket: int, num_reqs: int, num_base_tokens: int, measured: bool,
                     best: Arm, other: Arm, every: int, k: int, cold: bool, warming: bool) -> _Coast | None:
