@@ -93,7 +93,7 @@ class _Coast:
     us of a drafting engine's own host work a step counts there. Coasting makes all but one decision in `refresh`
     (8), and the probes', a few comparisons: on that CPU `next_num_drafts` went from ~23 to ~11 us a step, and the
     speculation policy's host time from ~54 to ~40 (three runs each, interleaved); the micro-benchmark's budget
-    work a step, 6.0 to 4.3 us.
+    work a step, 6.3 to 4.7 us.
     """
 
     probe: _Probe
