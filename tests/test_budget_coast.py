@@ -107,16 +107,23 @@ def test_coasting_decides_as_the_full_rule(padded, window):
 
 
 def test_a_settled_stretch_coasts_on_most_steps():
-    """c = 1, plain decoding settled (drafting at 0.86x): at most one decision in `refresh` (8) plus the probes'
-    is made in full."""
+    """c = 1, plain decoding settled (drafting at 0.86x): only the probes' decisions are made in full; the rates
+    are still computed once every `refresh` (8) decisions, and the coast goes on through them."""
     clock = FakeClock()
     budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, context_window=64)
     accepting(budget, 2)
     drive(budget, clock, [dict(H200_C1) for _ in range(2000)])
-    calls = count_full(budget)
+    calls, rates, theta = count_full(budget), [0], budget.measured_theta
+
+    def counted_theta(*a, **kw):
+        rates[0] += 1
+        return theta(*a, **kw)
+
+    budget.measured_theta = counted_theta
     ks = drive(budget, clock, [dict(H200_C1) for _ in range(4000)])
     assert sum(k for k, _, _ in ks) > 0  # the probes go on
-    assert calls[0] < 4000 / 8 + 80, calls[0]
+    assert calls[0] < 80, calls[0]  # (one in 8 before coasts went on through a refresh)
+    assert 4000 / 8 - 10 <= rates[0] / 2 <= 4000 / 8 + 40, rates[0]  # both arms' rates, once a refresh
     # and where it is off, every decision is made in full
     budget.coast, budget._coast, calls[0] = False, None, 0
     drive(budget, clock, [dict(H200_C1) for _ in range(1000)])

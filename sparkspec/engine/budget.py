@@ -28,8 +28,9 @@ one bucket.
 Until both arms of a bucket are observed, the cost table decides (as before), and short probes of the arm not
 chosen (a few steps every `probe_every` decisions) keep both arms' times and the acceptance estimate fresh. The
 regime decision reads past steps only, never the drafts at hand, so verification stays lossless. Where an arm has
-settled, its decision is repeated without the model until the first decision that could differ (a refresh of the
-rates, a probe due, the context's window: `_Coast`): the same decisions at a fraction of the host time a step.
+settled, its decision is repeated without the model until the first decision that could differ (a probe due, the
+context's window, rates refreshed that change the choice: `_Coast`): the same decisions at a fraction of the host
+time a step.
 
 The drafter's context: a device drafter writes every step's rows into its pools, and its drafts read the
 `context_window` rows before their position. Where plain decoding holds its place, plain decode steps skip the
@@ -90,10 +91,12 @@ class _Coast:
     step, 7 us in a micro-benchmark (that CPU also runs the model between two decisions, which leaves its caches
     cold; the H200's host only launches graphs, and likely lies between the two). At c = 1 on the H200 demo pair
     a plain step of 0.66 ms is bound by the host about as much as by the device (on a slower host, more), so each
-    us of a drafting engine's own host work a step counts there. Coasting makes all but one decision in `refresh`
-    (8), and the probes', a few comparisons: on that CPU `next_num_drafts` went from ~23 to ~11 us a step, and the
-    speculation policy's host time from ~54 to ~40 (three runs each, interleaved); the micro-benchmark's budget
-    work a step, 6.3 to 4.7 us.
+    us of a drafting engine's own host work a step counts there. Coasting makes all but the probes' decisions a few
+    comparisons, and one in `refresh` (8) also computes the rates (`VerificationBudget._refresh_coast`): on that
+    CPU `next_num_drafts` went from ~23 to ~11 us a step, and the speculation policy's host time from ~54 to ~40
+    (three runs each, interleaved); the micro-benchmark's budget work a step, 6.3 to 4.7 us. Going on through a
+    refresh (the coast used to end at each, and the decision in full then took ~70 us with cold caches) took
+    `next_num_drafts` from ~11.7 to ~9.6 us a step inside that engine, and the policy's host time from ~39 to ~34.
     """
 
     probe: _Probe
@@ -102,6 +105,11 @@ class _Coast:
     sig: int | tuple[int, int, int, int]
     k: int
     cold: bool
+    # the decision before which a probe could start or the context's state change (`until` is the earlier of it and
+    # the next refresh of the rates), and the probe interval the decision found; None: `until` is final (a coast
+    # of plain decoding that waits for the drafter's window: `_coast_from`)
+    bound: int = 0
+    every: int | None = None
 
 
 class VerificationBudget:
@@ -395,17 +403,28 @@ class VerificationBudget:
         key = num_reqs if num_running is None else num_running
         bucket = bucket_of(key)
         c = self._coast
+        counted = False  # this decision is counted already (a coast's refresh that changed something)
         if c is not None:  # a settled arm: the decision is the last one until `c.until` (`_Coast`)
             st = c.probe
-            if st.num_decisions + 1 < c.until and self.log.now <= c.deadline \
-                    and c.sig == self._sig(bucket, num_reqs, num_base_tokens):
-                st.num_decisions += 1
-                self._note_write(c.cold and not has_prompt)  # (a prompt's step writes: below)
-                self._proposing = c.k > 0
-                return c.k
+            n = st.num_decisions + 1
+            if self.log.now <= c.deadline and c.sig == self._sig(bucket, num_reqs, num_base_tokens):
+                if n >= c.until and c.every is not None and n < c.bound:
+                    counted = True
+                    st.num_decisions = n
+                    if self._refresh_coast(c, key, num_reqs, num_base_tokens):
+                        c.until = min(n + self.refresh, c.bound)
+                        counted = False
+                if n < c.until:
+                    st.num_decisions = n
+                    self._note_write(c.cold and not has_prompt)  # (a prompt's step writes: below)
+                    self._proposing = c.k > 0
+                    return c.k
             self._coast = None
-        st = self._probes.setdefault(bucket, _Probe())
-        st.num_decisions += 1
+        st = self._probes.get(bucket)
+        if st is None:
+            st = self._probes[bucket] = _Probe()
+        if not counted:
+            st.num_decisions += 1
         ended = st.best_before is not None and not st.left
         if ended:  # (what the probe measured counts at once)
             st.rates = None
@@ -491,6 +510,29 @@ class VerificationBudget:
         self.writes_context = not cold
         self._warm = 0 if cold else min(self._warm + 1, self.context_window)
 
+    def _refresh_coast(self, c: _Coast, key: int, num_reqs: int, num_base_tokens: int) -> bool:
+        """A coast's decision at which the bucket's rates are due again (`refresh`; `st.num_decisions` counts it):
+        they are computed and kept, as `_model` would, and the coast goes on where the decision in full would be
+        the coast's again: the same arm chosen against the running one (no challenge) and the same probe interval
+        (which arm leads by `clear_lead` moves it). Otherwise the decision is made in full, on these rates.
+
+        Why: a coast used to end at every refresh, and a decision in full reads some thirty functions: inside an
+        engine, with the caches cold after the model's step, one took ~70 us on a 2-core CPU (against ~2 us for a
+        coasting one), one decision in 8."""
+        st = c.probe
+        rates = {arm: self.measured_theta(key, arm) for arm in ARMS}
+        st.rates, st.rates_at = rates, st.num_decisions
+        plain, spec = rates["plain"], rates["spec"]
+        if plain is None or spec is None:
+            return False
+        theta: dict[Arm, float] = {"plain": plain, "spec": spec if self.static_plan(num_reqs, num_base_tokens)[0]
+                                   else 0.0}
+        best: Arm = "spec" if self._spec_leads(theta, key, True, st.current) else "plain"
+        if best != st.current:
+            return False
+        margin = theta[best] / max(theta[OTHER_ARM[best]], 1e-9)
+        return self.probe_every * st.backoff * (2 if margin > self.clear_lead else 1) == c.every
+
     def _coast_from(self, st: _Probe, key: int, bucket: int, num_reqs: int, num_base_tokens: int, measured: bool,
                     best: Arm, other: Arm, every: int, k: int, cold: bool, warming: bool) -> _Coast | None:
         """After a decision in full: how long the same decision holds (`_Coast`), or None where the next one may differ
@@ -509,21 +551,22 @@ class VerificationBudget:
             return None
         if warming:  # plain decoding, writing, until the window is written (a probe or a switch then starts)
             until = min(st.rates_at + self.refresh, st.num_decisions + 1 + self.context_window - self._warm)
-            return _Coast(st, until, float("inf"), self._sig(bucket, num_reqs, num_base_tokens), 0, False) \
+            return _Coast(st, until, float("inf"), self._sig(bucket, num_reqs, num_base_tokens), 0, False, until) \
                 if st.num_decisions + 1 < until else None
-        until = min(st.rates_at + self.refresh, st.last_start + every)
+        bound = st.last_start + every
         if cold:
-            until = min(until, st.last_start + every - self.context_window)
+            bound = min(bound, st.last_start + every - self.context_window)
         deadline = float("inf")
         newest = self.step_times.newest_at(key, other)
         if newest is not None:
             if self.log.now - newest > self.max_age:  # stale: a probe is due once `probe_every` decisions have passed
-                until = min(until, st.last_start + self.probe_every)
+                bound = min(bound, st.last_start + self.probe_every)
             else:
                 deadline = newest + self.max_age
+        until = min(st.rates_at + self.refresh, bound)
         if st.num_decisions + 1 >= until:
             return None
-        return _Coast(st, until, deadline, self._sig(bucket, num_reqs, num_base_tokens), k, cold)
+        return _Coast(st, until, deadline, self._sig(bucket, num_reqs, num_base_tokens), k, cold, bound, every)
 
     def _sig(self, bucket: int, num_reqs: int, num_base_tokens: int) -> int | tuple[int, int, int, int]:
         """What a coasting decision must be asked with (`_Coast.sig`)."""
