@@ -516,9 +516,9 @@ class VerificationBudget:
         the coast's again: the same arm chosen against the running one (no challenge) and the same probe interval
         (which arm leads by `clear_lead` moves it). Otherwise the decision is made in full, on these rates.
 
-        Why: a coast used to end at every refresh, and a decision in full reads some thirty functions: inside an
-        engine, with the caches cold after the model's step, one took ~70 us on a 2-core CPU (against ~2 us for a
-        coasting one), one decision in 8."""
+        Why: a coast used to end at every refresh, one decision in 8, and a decision in full runs some thirty
+        functions: with the caches made cold between decisions, as the model's step leaves them inside an engine
+        (a micro-benchmark on a 2-core CPU), one took ~70 us against ~2 us for a coasting one."""
         st = c.probe
         rates = {arm: self.measured_theta(key, arm) for arm in ARMS}
         st.rates, st.rates_at = rates, st.num_decisions
