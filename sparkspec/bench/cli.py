@@ -1,9 +1,10 @@
-"""`sparkspec bench serve | offline | latency | grammar | prefix`."""
+"""`sparkspec bench serve | offline | latency | grammar | prefix | budget`."""
 
 from __future__ import annotations
 
 import argparse
 
+from sparkspec.bench.budget_host import add_budget_parser
 from sparkspec.bench.grammar import add_grammar_parser
 from sparkspec.bench.latency import add_latency_parser
 from sparkspec.bench.offline import add_offline_parser
@@ -19,4 +20,5 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_latency_parser(sub)
     add_grammar_parser(sub)
     add_prefix_parser(sub)
+    add_budget_parser(sub)
     return p

@@ -43,11 +43,9 @@ class StepLog:
         else with `JoinCosts`, as its seconds over the arm's step without one. Every step's chunks and tokens go to
         `JoinCosts`' rate."""
         now = self.clock()
-        gc_clock = self.gc_clock
-        in_gc = gc_clock.seconds if gc_clock is not None else 0.0
-        start = self._step_start
-        if start is not None:
-            seconds = now - start - (in_gc - self._gc_at_start)  # (`GCClock`)
+        in_gc = self.gc_clock.seconds if self.gc_clock is not None else 0.0
+        if self._step_start is not None:
+            seconds = now - self._step_start - (in_gc - self._gc_at_start)  # (`GCClock`)
             chunks, tokens, last = self._last_chunks, self._last_tokens, self._last_step
             why = "skipped"  # (the trace's word for a step not filed; None: filed with `StepTimes`)
             if last is not None:

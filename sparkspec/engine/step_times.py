@@ -100,18 +100,14 @@ class StepTimes:
         if not 0.0 < seconds <= self.max_seconds:
             return
         bucket = bucket_of(num_reqs)
-        key = (bucket, arm)
-        num_filed, newest = self.num_filed, self.newest
-        n = num_filed[bucket] = num_filed.get(bucket, 0) + 1
-        ref = None
-        other = (bucket, OTHER_ARM[arm])
-        if n - newest.get(other, -self.recent) <= self.recent:
-            ref = self._recent_seconds(other)
+        key, other = (bucket, arm), (bucket, OTHER_ARM[arm])
+        n = self.num_filed[bucket] = self.num_filed.get(bucket, 0) + 1
+        ref = self._recent_seconds(other) if n - self.newest.get(other, -self.recent) <= self.recent else None
         w = self.windows.get(key)
         if w is None:
             w = self.windows[key] = _Window(self.window, self.ref_len)
         w.add(seconds, tokens, ref, at)
-        newest[key] = n
+        self.newest[key] = n
 
     def _recent_seconds(self, key: tuple[int, Arm]) -> float | None:
         """The mean seconds of the key's last `ref_len` samples (None: none)."""
