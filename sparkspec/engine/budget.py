@@ -525,8 +525,9 @@ class VerificationBudget:
         plain, spec = rates["plain"], rates["spec"]
         if plain is None or spec is None:
             return False
-        theta: dict[Arm, float] = {"plain": plain, "spec": spec if self.static_plan(num_reqs, num_base_tokens)[0]
-                                   else 0.0}
+        # (padded steps verify k drafts whatever the estimate: `_static_plan`; elsewhere its plan may verify none)
+        verifies = self.num_spec_tokens if self.padded else self.static_plan(num_reqs, num_base_tokens)[0]
+        theta: dict[Arm, float] = {"plain": plain, "spec": spec if verifies else 0.0}
         best: Arm = "spec" if self._spec_leads(theta, key, True, st.current) else "plain"
         if best != st.current:
             return False
