@@ -43,8 +43,8 @@ def run_loop(budget: VerificationBudget, clock: FakeClock, num_reqs: int, second
         verified = sum(budget.lengths([proposed] * num_reqs, [None] * num_reqs, num_reqs, num_reqs)) if proposed \
             else 0
         prompt = has_prompt is not None and has_prompt(n)
-        k = budget.next_num_drafts(num_reqs, num_reqs, num_reqs, prompt)
         num_chunks = chunks(n) if chunks is not None else 0
+        k = budget.next_num_drafts(num_reqs, num_reqs, num_reqs, prompt, num_chunks > max(1, num_reqs // 4))
         budget.note_step(num_reqs, verified, k, prompt, 130 * num_chunks, num_chunks, num_reqs)
         clock.now += seconds(n, verified > 0, k > 0)
         if tokens is not None:
@@ -432,7 +432,7 @@ def test_a_step_is_the_prompts_where_its_chunks_outweigh_its_decode_rows():
     told = []
 
     class Spy:
-        def next_num_drafts(self, num_reqs, num_base_tokens, num_running, has_prompt):
+        def next_num_drafts(self, num_reqs, num_base_tokens, num_running, has_prompt, wave=False):
             told.append(("decide", has_prompt))
             return 0
 
@@ -801,3 +801,23 @@ def test_near_ties_do_not_switch_on_noise(steady):
         assert min(shares) > 0.97 and max(switches) <= 24, (shares, switches)  # the probes' ins and outs
     else:
         assert min(shares) < 0.9 and max(switches) > 30, (shares, switches)
+
+
+def test_a_drafting_probe_stops_at_a_wave_of_prompts():
+    """c = 256, one output length: plain decoding runs in lockstep waves (two prompt steps, then 64 decode steps),
+    and drafting loses by 4x. A probe of drafting that reaches a wave's prompt steps stops there (those steps are
+    not filed, and drafting them costs the most: on the H200 demo pair, 28-36 ms a step against 4-20); the next
+    runs on decode steps, so drafting's samples stay fresh."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, max_age=0.3)
+    accepting(budget, 2)
+    wave = 66
+    prompt = lambda n: n % wave < 2  # noqa: E731
+    ks = run_loop(budget, clock, 256, lambda n, v, p: (0.017 if v or p else 0.004) * (4 if prompt(n) else 1),
+                  wave * 60, tokens=lambda n, v, p: 256 * 2 if v or p else 256, has_prompt=prompt,
+                  chunks=lambda n: 128 if prompt(n) else 0)
+    on_prompts = [n for n, k in enumerate(ks) if k and prompt(n) and n >= wave]  # (the first: the cost table's)
+    assert budget.measured(256) and not on_prompts, on_prompts
+    drafting = [n for n, k in enumerate(ks) if k]
+    assert len(drafting) >= 10  # the probes go on (due by age every ~0.3 s: ~15 of them here)
+    assert budget.step_times.count(256, "spec") >= 8

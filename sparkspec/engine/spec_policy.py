@@ -111,12 +111,13 @@ class SpecPolicy:
         # (`VerificationBudget.note_step`)
         has_prompt = prompt_tokens > num_decode
         key = num_sampling if num_running is None else max(num_running, 1)
-        k = self.budget.next_num_drafts(num_sampling, num_sampling, key, has_prompt) if num_sampling else 0
+        num_chunks = len(items) - num_decode  # prompt (or recompute) chunks: requests joining
+        wave = num_chunks > max(1, num_decode // 4)  # (`StepLog.note_step`: a wave's steps are not filed)
+        k = self.budget.next_num_drafts(num_sampling, num_sampling, key, has_prompt, wave) if num_sampling else 0
         if not num_sampling:  # (a step of prompt chunks only: it writes their rows anyway)
             self.budget.writes_context = True
         elif stats is not None and not self.budget.writes_context:
             stats.num_context_skipped_steps += 1
-        num_chunks = len(items) - num_decode  # prompt (or recompute) chunks: requests joining
         self.budget.note_step(key, self._num_verified, k, has_prompt, prompt_tokens, num_chunks, num_decode)
         if num_sampling and k == 0 and stats is not None:
             stats.num_drafter_skipped_steps += 1
