@@ -6,6 +6,7 @@ import pytest
 from sparkspec.engine.acceptance import survival
 from sparkspec.engine.budget import VerificationBudget
 from sparkspec.engine.cost_table import CostTable
+from sparkspec.engine.step_log import is_wave
 from sparkspec.engine.step_times import GCClock, StepTimes, bucket_of
 
 K = 4
@@ -44,7 +45,7 @@ def run_loop(budget: VerificationBudget, clock: FakeClock, num_reqs: int, second
             else 0
         prompt = has_prompt is not None and has_prompt(n)
         num_chunks = chunks(n) if chunks is not None else 0
-        k = budget.next_num_drafts(num_reqs, num_reqs, num_reqs, prompt, num_chunks > max(1, num_reqs // 4))
+        k = budget.next_num_drafts(num_reqs, num_reqs, num_reqs, prompt, is_wave(num_chunks, num_reqs))
         budget.note_step(num_reqs, verified, k, prompt, 130 * num_chunks, num_chunks, num_reqs)
         clock.now += seconds(n, verified > 0, k > 0)
         if tokens is not None:

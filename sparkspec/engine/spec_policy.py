@@ -26,6 +26,7 @@ from sparkspec.engine.config import EngineConfig
 from sparkspec.engine.cost_table import CostTable, load_or_measure, machine_key
 from sparkspec.engine.scheduler import ScheduledSeq
 from sparkspec.engine.sequence import Sequence
+from sparkspec.engine.step_log import is_wave
 from sparkspec.spec_decode.build import build_proposer
 
 log = logging.getLogger("sparkspec.engine")
@@ -112,7 +113,7 @@ class SpecPolicy:
         has_prompt = prompt_tokens > num_decode
         key = num_sampling if num_running is None else max(num_running, 1)
         num_chunks = len(items) - num_decode  # prompt (or recompute) chunks: requests joining
-        wave = num_chunks > max(1, num_decode // 4)  # (`StepLog.note_step`: a wave's steps are not filed)
+        wave = is_wave(num_chunks, num_decode)  # (a wave's steps are not filed)
         k = self.budget.next_num_drafts(num_sampling, num_sampling, key, has_prompt, wave) if num_sampling else 0
         if not num_sampling:  # (a step of prompt chunks only: it writes their rows anyway)
             self.budget.writes_context = True

@@ -15,6 +15,12 @@ from collections.abc import Callable
 from sparkspec.engine.step_times import Arm, GCClock, JoinCosts, StepTimes
 
 
+def is_wave(num_chunks: int, num_decode: int) -> bool:
+    """A step's prompt chunks are a wave of prompts, not requests joining a running batch: more than one, and more
+    than a quarter of its decode rows (`StepLog.note_step`)."""
+    return num_chunks > max(1, num_decode // 4)
+
+
 class StepLog:
     """Files each step's wall time under its arm as the next step starts; owns `StepTimes` and `JoinCosts`."""
 
@@ -55,7 +61,7 @@ class StepLog:
                     why = "transition"
                 elif chunks:
                     free = self.step_times.seconds(num_reqs, arm)
-                    if free is None or chunks > max(1, self._last_decode // 4):
+                    if free is None or is_wave(chunks, self._last_decode):
                         why = "prompt"  # a wave of prompts, or nothing to measure them against yet
                     else:
                         why = "joined"
