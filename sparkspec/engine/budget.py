@@ -318,22 +318,37 @@ class VerificationBudget:
         at least 1). One pass over the cost table (Algorithm 1 over R x k items where steps are not padded).
         `num_running`: the bucket's request count (default: num_reqs). `st`: the bucket's state, where the
         measured rates are kept for `refresh` decisions."""
-        k, tau, spec_s, plain_s = self.static_plan(num_reqs, num_base_tokens)
+        k = self._plan_k(num_reqs, num_base_tokens)
         k_spec = self.num_spec_tokens if self.padded else max(k, 1)
         key = num_reqs if num_running is None else num_running
         if self._measured(key, st):
-            if st is not None and st.rates is not None and st.num_decisions - st.rates_at < self.refresh:
-                rates = st.rates
-            else:
-                rates = {arm: self.measured_theta(key, arm) for arm in ARMS}
-                if st is not None:
-                    st.rates, st.rates_at = rates, st.num_decisions
-            if all(r is not None for r in rates.values()):  # produced tokens per second, as measured
-                return {"plain": rates["plain"], "spec": rates["spec"] if k else 0.0}, k_spec
+            theta = self._measured_model(key, st, k)
+            if theta is not None:
+                return theta, k_spec
+            _, tau, _, _ = self.static_plan(num_reqs, num_base_tokens)
             spec_s, plain_s = self.step_times.seconds(key, "spec"), self.step_times.seconds(key, "plain")
-        theta: dict[Arm, float] = {"plain": num_reqs / max(plain_s, 1e-9),
-                                   "spec": tau / max(spec_s, 1e-9) if k else 0.0}
+        else:
+            _, tau, spec_s, plain_s = self.static_plan(num_reqs, num_base_tokens)
+        theta = {"plain": num_reqs / max(plain_s, 1e-9), "spec": tau / max(spec_s, 1e-9) if k else 0.0}
         return theta, k_spec
+
+    def _plan_k(self, num_reqs: int, num_base_tokens: int) -> int:
+        """The spec arm's k by the cost table's plan (`static_plan`): every draft on padded steps, whatever the
+        acceptance estimate (no plan is computed for it, where a drafting stretch moves the estimate every step)."""
+        return self.num_spec_tokens if self.padded else self.static_plan(num_reqs, num_base_tokens)[0]
+
+    def _measured_model(self, key: int, st: _Probe | None, k: int) -> dict[Arm, float] | None:
+        """Theta per arm from the bucket's measured rates, kept in `st` for `refresh` decisions (computed again
+        after that); the spec arm is worth 0 where `k` is. None: an arm's produced tokens are not known."""
+        if st is not None and st.rates is not None and st.num_decisions - st.rates_at < self.refresh:
+            rates = st.rates
+        else:
+            rates = {arm: self.measured_theta(key, arm) for arm in ARMS}
+            if st is not None:
+                st.rates, st.rates_at = rates, st.num_decisions
+        if rates["plain"] is None or rates["spec"] is None:
+            return None
+        return {"plain": rates["plain"], "spec": rates["spec"] if k else 0.0}  # produced tokens a second, as measured
 
     def _measured(self, key: int, st: _Probe | None) -> bool:
         """`measured`, remembered in the bucket's state once true (its windows only grow)."""
@@ -452,9 +467,7 @@ class VerificationBudget:
         if st.last_start < 0 and st.num_started == 0:
             st.last_start = st.num_decisions  # a new bucket's first regular probe waits its interval too
         other = OTHER_ARM[best]
-        # a clear loser is probed half as often, one the smaller request counts already rejected a quarter
-        margin = theta[best] / max(theta[other], 1e-9)
-        every = self.probe_every * st.backoff * (4 if prior else 2 if margin > self.clear_lead else 1)
+        every = self._probe_interval(st, theta, best, prior)  # (a clear loser, or one rejected below: less often)
         ready = self._warm >= self.context_window  # the drafter's window rows are all written
         warming = False  # drafting (or a probe of it) waits for `ready`
         if not st.left and not has_prompt:
@@ -529,19 +542,18 @@ class VerificationBudget:
         one took ~70 us against ~2 us for a coasting one (`sparkspec bench budget` on a 2-core CPU: the budget's
         work a step at c = 1 went from 27.0 to 21.9 us with this)."""
         st = c.probe
-        rates = {arm: self.measured_theta(key, arm) for arm in ARMS}
-        st.rates, st.rates_at = rates, st.num_decisions
-        plain, spec = rates["plain"], rates["spec"]
-        if plain is None or spec is None:
+        theta = self._measured_model(key, st, self._plan_k(num_reqs, num_base_tokens))  # (due: computed and kept)
+        if theta is None:
             return False
-        # (padded steps verify k drafts whatever the estimate: `_static_plan`; elsewhere its plan may verify none)
-        verifies = self.num_spec_tokens if self.padded else self.static_plan(num_reqs, num_base_tokens)[0]
-        theta: dict[Arm, float] = {"plain": plain, "spec": spec if verifies else 0.0}
         best: Arm = "spec" if self._spec_leads(theta, key, True, st.current) else "plain"
-        if best != st.current:
-            return False
+        return best == st.current and self._probe_interval(st, theta, best) == c.every
+
+    def _probe_interval(self, st: _Probe, theta: dict[Arm, float], best: Arm, prior: bool = False) -> int:
+        """Decisions between regular probes of the arm not chosen (`next_num_drafts`): `probe_every` times the
+        backoff, twice that where `best` leads by `clear_lead`, four times where the bucket below rejected drafting
+        (`prior`)."""
         margin = theta[best] / max(theta[OTHER_ARM[best]], 1e-9)
-        return self.probe_every * st.backoff * (2 if margin > self.clear_lead else 1) == c.every
+        return self.probe_every * st.backoff * (4 if prior else 2 if margin > self.clear_lead else 1)
 
     def _coast_from(self, st: _Probe, key: int, bucket: int, num_reqs: int, num_base_tokens: int, measured: bool,
                     best: Arm, other: Arm, every: int, k: int, cold: bool, warming: bool) -> _Coast | None:
