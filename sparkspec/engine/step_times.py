@@ -187,7 +187,7 @@ class _Window:
     `throughput` cost O(1): a window's longest sample is looked for again only after the one that held it has left.
     Each sample (`samples`): (seconds, produced tokens or None, reference seconds or None, clock at filing or None:
     `StepTimes.corrected_throughput`). One deque of tuples and slots: the budget files a sample every step, with the
-    caches cold after the model's step (on a 2-core CPU, four deques took ~2 us more a step than one)."""
+    caches cold after the model's step (on a 2-core CPU, four deques took ~1 us more a step than one)."""
 
     __slots__ = ("ref_len", "recent_sum", "samples", "sum_seconds", "sum_tokens", "missing", "num_refs", "_top")
 
@@ -200,9 +200,6 @@ class _Window:
         self.missing = 0  # samples without tokens
         self.num_refs = 0  # samples with a reference (`young_step_seconds`)
         self._top: tuple[float, int] | None = (0.0, 0)  # (seconds, tokens) of the longest sample; None: look again
-
-    def __len__(self) -> int:
-        return len(self.samples)
 
     @property
     def seconds(self) -> list[float]:
