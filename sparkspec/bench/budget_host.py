@@ -112,6 +112,7 @@ def run_one(work: Workload, coast: bool, cold: bool, steps: int, warmup: int, ev
         budget.step_boundary()
         t1 = pc()
         verified = sum(budget.lengths([proposed] * r, [None] * r, r, r)) if proposed else 0  # (untimed: `choose`)
+        t1b = pc()
         k = budget.next_num_drafts(r, r, r, False)
         t2 = pc()
         budget.note_step(r, verified, k, False, 0, 0, r)
@@ -122,7 +123,7 @@ def run_one(work: Workload, coast: bool, cold: bool, steps: int, warmup: int, ev
         budget.note_tokens(round(work.spec_tokens) if drafting else r)
         t5 = pc()
         spent[0] += t1 - t0
-        spent[1] += t2 - t1
+        spent[1] += t2 - t1b
         spent[2] += t3 - t2
         spent[3] += t5 - t4
         for _ in range(r if verified else 0):
