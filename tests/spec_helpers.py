@@ -64,14 +64,20 @@ def static_step_engine(model, tensors, method: str, static: bool, max_num_seqs: 
     return eng
 
 
-def run_recording_drafts(eng, prompts: list[list[int]], params: list) -> tuple[list[list[int]], dict, dict]:
+def run_recording_drafts(eng, prompts: list[list[int]], params: list, late: dict[int, int] | None = None
+                         ) -> tuple[list[list[int]], dict, dict]:
     """Add `prompts` (request ids "0", "1", ...; `params` one per prompt) and step `eng` until every request ends ->
     (output ids per prompt, {(request, pending position): the drafts it held there}, {request: its block ids as
-    last seen running})."""
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        eng.add_request(p, sp, request_id=str(i))
+    last seen running}). `late`: {prompt index: steps run before it is added} (the others join at once)."""
+    late = late or {}
+    pending = {i: (str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))}
     made, outputs, blocks = {}, {}, {}
-    while eng.has_unfinished():
+    num_steps = 0
+    while pending or eng.has_unfinished():
+        for i in [i for i in pending if late.get(i, 0) <= num_steps]:
+            rid, p, sp = pending.pop(i)
+            eng.add_request(p, sp, request_id=rid)
+        num_steps += 1
         for out in eng.step():
             if out.finished:
                 outputs[out.request_id] = out.token_ids

@@ -822,3 +822,34 @@ def test_a_drafting_probe_stops_at_a_wave_of_prompts():
     drafting = [n for n, k in enumerate(ks) if k]
     assert len(drafting) >= 10  # the probes go on (due by age every ~0.3 s: ~15 of them here)
     assert budget.step_times.count(256, "spec") >= 8
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_a_drafting_probe_waits_while_the_batch_would_end_in_it(told):
+    """c = 256, one output length: every wave's requests end together after 64 decode steps. Told how soon they end
+    (`ends_soon`), the budget starts no probe of drafting within `probe_len x (k + 1)` tokens of a wave's end: a
+    probe there proposes drafts no request reads and files nothing (on the H200 demo pair drafting was never
+    measured at c = 256, and the cost table kept deciding). Not told, some probes start there."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, max_age=0.3)
+    accepting(budget, 2)
+    wave, at = 66, [0]
+    reach = budget.probe_len * (K + 1)
+
+    def prompt(n):
+        at[0] = n
+        return n % wave < 2
+
+    if told:
+        budget.ends_soon = lambda within: wave - at[0] % wave <= within
+    ks = run_loop(budget, clock, 256, lambda n, v, p: (0.017 if v or p else 0.004) * (4 if prompt(n) else 1),
+                  wave * 60, tokens=lambda n, v, p: 256 * 2 if v or p else 256, has_prompt=prompt,
+                  chunks=lambda n: 128 if prompt(n) else 0)
+    starts = [n % wave for n in range(wave, len(ks)) if ks[n] and not ks[n - 1]]
+    late = [i for i in starts if wave - i <= reach]
+    assert len(starts) >= 8, starts
+    if told:
+        assert not late, late
+        assert budget.measured(256) and budget.step_times.count(256, "spec") >= 8
+    else:
+        assert late, starts

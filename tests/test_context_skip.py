@@ -1,5 +1,6 @@
-"""Plain decode steps skip the device drafter's context write while the adaptive budget's plain arm holds, and
-drafting waits for `window` steps that write before it starts again (`VerificationBudget.context_window`).
+"""Plain steps (decode rows and joining prompts) skip the device drafter's context write while the adaptive
+budget's plain arm holds, and drafting waits for `window` steps that write before it starts again
+(`VerificationBudget.context_window`).
 
 Why: on the H200 demo pair at c = 1, a DSpark engine held on its plain arm ran at 0.95x the plain engine; the
 context write on every plain step (the target's taps, the drafter's KV projection and its scatter) is that arm's one
@@ -12,6 +13,7 @@ import copy
 import pytest
 import torch
 from spec_helpers import mixed_prompts, one_thread, run_recording_drafts, static_step_engine, tiny_setup  # noqa: F401
+from test_budget_coast import H200_C1, drive, levels
 from test_budget_regime import FakeClock, accepting, flat_table, run_loop
 
 from sparkspec.engine.budget import VerificationBudget
@@ -86,25 +88,49 @@ def test_a_switch_to_drafting_waits_for_the_context(change):
     assert all(writes[7000:])
 
 
+def test_prompt_steps_skip_too_and_a_probe_due_by_age_still_starts():
+    """`bench offline`'s c = 1 levels (a request of 64 tokens joining every 64 steps; 3 s between levels, so each
+    level finds drafting's samples stale): once plain decoding has settled, a prompt's step skips the write as a
+    decode step does; the probe due by age warms the window through the prompt steps in its way (they write then)
+    and runs in every level."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, context_window=W)
+    accepting(budget, 2)
+    steps = levels(12, 256, 3.0, **H200_C1)
+    out = drive(budget, clock, steps)
+    ks, writes = [k for k, _, _ in out], [w for _, w, _ in out]
+    assert_warm_before_drafting(ks, writes, W)
+    prompts = [i for i, s in enumerate(steps) if s["prompt"] and i >= 512]
+    assert sum(not writes[i] for i in prompts) >= len(prompts) // 3  # settled: prompt steps skip too
+    for lv in range(2, 12):
+        level = ks[lv * 256 : (lv + 1) * 256]
+        start = next(i for i, k in enumerate(level) if k)  # the level's probe of drafting
+        assert W < start < 256 - 3 and all(writes[lv * 256 + start - W : lv * 256 + start])
+        assert any(steps[lv * 256 + i]["prompt"] for i in range(start - W, start))  # a prompt step warmed it
+
+
 def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool = False, cuda: bool = False
                  ) -> tuple[list, dict, dict, dict]:
-    """A run of 4 prompts (2 greedy, 2 sampled with seeds): 2 steps (prompts), 12 plain steps that skip the
+    """A run of 5 prompts (greedy and sampled with seeds): 2 steps (prompts), 12 plain steps that skip the
     drafter's context (`skip`; else they write it), `warm` plain steps that write it, then drafting with k = 3 ->
     (outputs, {(request, pending position): drafts}, {request: positions of the skipping steps' rows}, {request:
-    its context rows by position}). `cuda`: fp32 on the GPU, its steps as captured CUDA graphs (the skipping
-    ones captured on first use)."""
+    its context rows by position}). The fifth request joins after 5 steps, its prompt beside the others' decode
+    rows in a skipping step. `cuda`: fp32 on the GPU, its steps as captured CUDA graphs (the skipping ones captured
+    on first use; the mixed ones, which never are, captured here)."""
     cfg, model, tensors = tiny_setup()
     if cuda:
         from sparkspec.engine.config import EngineConfig
         from sparkspec.engine.llm_engine import LLMEngine
 
         model = copy.deepcopy(model).to("cuda").keep_fp32()
-        eng = LLMEngine(model, None, EngineConfig(max_num_seqs=4, speculative=method, num_spec_tokens=3,
+        eng = LLMEngine(model, None, EngineConfig(max_num_seqs=5, speculative=method, num_spec_tokens=3,
                                                   spec_budget="fixed", async_scheduling=overlap,
                                                   max_num_batched_tokens=128), tensors)
-        assert eng.runner.graphs is not None
+        graphs = eng.runner.graphs
+        graphs.capture_all([k._replace(context=False) for k in list(graphs.graphs)
+                            if k.num_prompts and not k.draft_cols])
     else:
-        eng = static_step_engine(model, tensors, method, static, max_num_seqs=4, async_scheduling=overlap)
+        eng = static_step_engine(model, tensors, method, static, max_num_seqs=5, async_scheduling=overlap)
     assert eng.spec.proposer.window == cfg.sliding_window
     propose, steps, skipped = eng.spec.num_drafts_to_propose, [], {}
 
@@ -115,15 +141,16 @@ def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool
         cold = 2 <= n < 14
         eng.spec.budget.writes_context = not (skip and cold)
         if skip and cold:
-            for it in items:
-                skipped.setdefault(it.seq.request_id, []).append(it.seq.num_cached_tokens)
+            for it in items:  # (a prompt chunk: its rows)
+                nc = it.seq.num_cached_tokens
+                skipped.setdefault(it.seq.request_id, []).extend(range(nc, nc + it.num_tokens))
         return 3 if n >= 14 + warm else 0
 
     eng.spec.num_drafts_to_propose = num_drafts_to_propose
-    prompts = mixed_prompts(cfg.vocab_size, [7, 19, 33, 12], seed=3)
+    prompts = mixed_prompts(cfg.vocab_size, [7, 19, 33, 12, 21], seed=3)
     params = [SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.8 * (i % 2), seed=40 + i)
               for i in range(len(prompts))]  # greedy and seeded sampled requests
-    outputs, made, blocks = run_recording_drafts(eng, prompts, params)
+    outputs, made, blocks = run_recording_drafts(eng, prompts, params, late={4: 5})
     bs, pools = eng.runner.cache.block_size, eng.spec.proposer.pools
     rows = {}
     for rid, ids in blocks.items():
@@ -138,14 +165,15 @@ def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool
 @pytest.mark.parametrize("method", ["dspark", "mtp"])
 def test_skipped_rows_are_the_cold_steps_and_warm_up_restores_every_draft(method, static, overlap):
     """Against a run whose every step writes: the same tokens; the context differs exactly at the rows of the steps
-    that skipped it (each request's positions there); and after `window` steps that write, every draft made is the
-    same, at the same positions (eager steps, the static steps a GPU replays as graphs, and those launched ahead by
-    async scheduling)."""
+    that skipped it (each request's positions there, a joining prompt's included); and after `window` steps that
+    write, every draft made is the same, at the same positions (eager steps, the static steps a GPU replays as
+    graphs, and those launched ahead by async scheduling)."""
     ref_out, ref_made, _, ref_rows = scripted_run(method, static, skip=False, warm=16, overlap=overlap)
     out, made, skipped, rows = scripted_run(method, static, skip=True, warm=16, overlap=overlap)
     assert out == ref_out
     assert made == ref_made and len(made) >= 20
-    assert sorted(skipped) == ["0", "1", "2", "3"] and all(len(v) == 12 for v in skipped.values())
+    assert sorted(skipped) == ["0", "1", "2", "3", "4"] and all(len(skipped[r]) == 12 for r in "0123")
+    assert skipped["4"][:21] == list(range(21)) and 21 < len(skipped["4"]) < 21 + 12  # its prompt, then decode rows
     for rid, pos in skipped.items():
         for pools, ref_pools in zip(rows[rid], ref_rows[rid]):
             differs = sorted((pools != ref_pools).any(-1).nonzero().flatten().tolist())

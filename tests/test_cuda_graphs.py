@@ -150,7 +150,7 @@ def test_prefill_groups_fit_captured_shapes():
     from sparkspec.engine.cuda_graphs import GraphRunner
 
     g = GraphRunner.__new__(GraphRunner)  # shapes only: no cache, nothing captured
-    g.sizes, g.query_lens, g.prefill_lens = capture_sizes(64), (1,), (16, 32, 64)
+    g.sizes, g.query_lens, g.prefill_lens, g.decode_context = capture_sizes(64), (1,), (16, 32, 64), True
     g.prefill_sizes = {q: [R for R in g.sizes if R == 1 or R * q <= 128] for q in g.prefill_lens}
     assert g.prefill_sizes == {16: [1, 2, 4, 8], 32: [1, 2, 4], 64: [1, 2]}
     assert g.key_for(3, 20, "greedy", 0).num_reqs == 4 and g.key_for(3, 20, "greedy", 0).q == 32
@@ -190,8 +190,9 @@ def test_static_steps_keep_seeded_sampling(method, filtered):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
     assert "filter" in {k.mode for k in used} if filtered else {k.mode for k in used} == {"sample"}
-    if method != "none":
-        assert {k.num_drafts for k in used} == {3}
+    if method != "none":  # k = 3 (0 only at a step where every request ends: `SpecPolicy.all_end`)
+        proposed = {k.num_drafts for k in used}
+        assert 3 in proposed and proposed <= {0, 3}
 
 
 @pytest.mark.gpu

@@ -203,3 +203,27 @@ def test_an_idle_engine_files_no_step_with_the_wait(setup, tmp_path):
     eng.generate(prompts[9:11], params[9:11])
     filed = [e["ms"] for e in budget.trace if e.get("filed") or e.get("joined")]
     assert len(filed) > 10 and max(filed) < 10.0
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_no_drafts_are_proposed_on_a_step_where_every_request_ends(setup, method):
+    """Requests of one length end together: the step where the last of them ends proposes nothing (no request would
+    read its drafts); every other step that samples proposes k, and the tokens are plain decoding's."""
+    cfg, model, tensors, prompts, params, reference = setup
+    eng = engine(model, tensors, method=method, k=3)
+    propose, told = eng.spec.num_drafts_to_propose, []
+
+    def recorded(items, *a, **kw):
+        k = propose(items, *a, **kw)
+        ends = [len(it.seq.output_ids) + it.seq.num_inflight + 1 >= it.seq.params.max_tokens
+                for it in items if it.samples]
+        told.append((k, ends))
+        return k
+
+    eng.spec.num_drafts_to_propose = recorded
+    same = [SamplingParams(max_tokens=13, ignore_eos=True) for _ in prompts[:6]]
+    out = [o.token_ids for o in eng.generate(prompts[:6], same)]
+    assert out == [r[:13] for r in reference[:6]]
+    assert told[-1] == (0, [True] * len(told[-1][1])) and len(told[-1][1]) >= 1
+    assert all(k == 3 for k, ends in told[:-1] if ends and not all(ends))
+    assert [k for k, ends in told if ends and all(ends)] == [0] * sum(1 for _, e in told if e and all(e))

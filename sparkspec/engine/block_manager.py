@@ -15,9 +15,10 @@ compare.
 
 Prefix caching. Since every cache kind (raw sliding-window KV, the compressors' and the indexer's per-position
 state, compressed entries and indexer keys, DSpark's taps, MTP's rows) is paged by absolute position through the
-one block table, sharing a block shares all of it. (The drafter's rows as they are: a block decoded while the
-adaptive budget's settled plain arm skipped the drafter's context write holds stale rows there, and a request that
-takes it reads them in its window until it has decoded a window of its own; `VerificationBudget.context_window`.)
+one block table, sharing a block shares all of it. (The drafter's rows as they are: a block prefilled or decoded
+while the adaptive budget's settled plain arm skipped the drafter's context write holds stale rows there, and a
+request that takes it reads them in its window until it has computed a window of its own, which costs acceptance,
+never a token; `VerificationBudget.context_window`.)
 A block's hash chains its parent's hash with its token ids (vLLM's scheme; sha256, so every tensor-parallel rank
 computes the same hashes and takes the same hits). Terms:
 

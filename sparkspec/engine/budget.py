@@ -33,11 +33,11 @@ context's window, rates refreshed that change the choice: `_Coast`): the same de
 time a step.
 
 The drafter's context: a device drafter writes every step's rows into its pools, and its drafts read the
-`context_window` rows before their position. Where plain decoding holds its place, plain decode steps skip the
-write (`writes_context`), and writes resume `context_window` decisions before drafting's next regular probe; a
-switch to drafting, or a probe due by age, waits for that many steps that write. So the settled plain arm costs
-what the plain engine's step costs, and no draft reads a row a skipping step left stale (but one in a block taken
-from the prefix cache: `block_manager.py`).
+`context_window` rows before their position. Where plain decoding holds its place, plain steps (decode rows and
+prompt chunks) skip the write (`writes_context`), and writes resume `context_window` decisions before drafting's
+next regular probe; a switch to drafting, or a probe due by age, waits for that many steps that write. So the
+settled plain arm costs what the plain engine's step costs, and no draft reads a row a skipping step left stale (but
+one in a block taken from the prefix cache: `block_manager.py`).
 """
 
 from __future__ import annotations
@@ -201,11 +201,11 @@ class VerificationBudget:
         self.clear_lead = 1.25  # past this lead no near-tie: a switch at once, and the loser probed half as often
         # the drafter's context (a device drafter's pools: one row per position, `DeviceProposer.window` of them read
         # before each pending position; 0: no context, every step writes). Where plain decoding holds its place
-        # (both arms measured, no challenge, no probe within `context_window` decisions), a plain decode step
-        # leaves its rows unwritten (`writes_context`): the write is the plain arm's one device cost (on the H200
-        # demo pair at c = 1 a DSpark engine held on plain decoding ran at 0.95x the plain engine). Drafting, a
-        # probe of it included, then starts only after `context_window` steps in a row that wrote (`_warm`), so
-        # that its first drafts read the rows they would have read had every step written
+        # (both arms measured, no challenge, no probe within `context_window` decisions), a plain step (decode rows
+        # and prompt chunks) leaves its rows unwritten (`writes_context`): the write is the plain arm's one device
+        # cost (on the H200 demo pair at c = 1 a DSpark engine held on plain decoding ran at 0.95x the plain
+        # engine). Drafting, a probe of it included, then starts only after `context_window` steps in a row that
+        # wrote (`_warm`), so that its first drafts read the rows they would have read had every step written
         self.context_window = context_window
         self._warm = context_window  # steps in a row that wrote the context, up to `context_window`
         self.writes_context = True  # the decided step writes the drafter's context (`next_num_drafts`)
@@ -217,6 +217,9 @@ class VerificationBudget:
         # every decision is made in full (the coasting test compares the two)
         self.coast = coast
         self._coast: _Coast | None = None
+        # within(n) -> whether half the step's requests or more end within n tokens (their `max_tokens`); None:
+        # not known. A probe of drafting due then waits (`next_num_drafts`)
+        self.ends_soon: Callable[[int], bool] | None = None
 
     # ---- whole-step wall time (`StepLog`) ----
     @property
@@ -432,7 +435,7 @@ class VerificationBudget:
                         counted = False
                 if n < c.until:
                     st.num_decisions = n
-                    self._note_write(c.cold and not has_prompt)  # (a prompt's step writes: below)
+                    self._note_write(c.cold)
                     self._proposing = c.k > 0
                     return c.k
             self._coast = None
@@ -470,28 +473,40 @@ class VerificationBudget:
         every = self._probe_interval(st, theta, best, prior)  # (a clear loser, or one rejected below: less often)
         ready = self._warm >= self.context_window  # the drafter's window rows are all written
         warming = False  # drafting (or a probe of it) waits for `ready`
-        if not st.left and not has_prompt:
+        if not st.left:
             since = st.num_decisions - st.last_start
-            # until the arm has the samples that let its slowest one be dropped (the first after a switch of arm
-            # is often slow: on the H200 demo pair at c = 64, 4.1 ms against 2.0 for plain decoding's next two)
-            # (only once drafting has samples of its own, and not where its measured tokens per second lead the
-            # table's plain decoding, which leaves the host out and so flatters plain, by `trusted_margin`; at c = 1
-            # on a CPU each early probe step of plain decoding gave 1 token where drafting gave ~4.7)
-            enough = max(self.min_samples, self.step_times.min_trim)
-            unseen = other == "plain" and self.step_times.count(key, other) < enough \
-                and self.step_times.count(key, best) >= enough and not self._leads_by(key, theta["plain"])
             # stale: the arm's samples are `max_age` seconds old (only such probes and regular ones move the backoff:
             # the first ones measure, they confirm nothing)
             newest = self.step_times.newest_at(key, other)
             stale = newest is not None and self.log.now - newest > self.max_age
             due = since >= every or (stale and since >= self.probe_every)
             if other == "spec" and due and not ready:
-                warming = True  # the probe starts once the context is written (it stays due meanwhile)
-            elif due or (unseen and st.num_started < self.max_first_probes and since > self.probe_len):
-                st.arm, st.last_start = other, st.num_decisions
-                st.left = self.plain_probe_len if other == "plain" else self.probe_len
-                st.best_before = best if due else None
-                st.num_started += 1
+                # the probe starts once the context is written (it stays due meanwhile); a prompt's step writes
+                # too: at c = 1 with requests of 64 tokens (a window of 64) each request's prompt step skipped the
+                # write and restarted the wait, so a probe due by age never started
+                warming = True
+            elif not has_prompt:
+                # until the arm has the samples that let its slowest one be dropped (the first after a switch of
+                # arm is often slow: on the H200 demo pair at c = 64, 4.1 ms against 2.0 for plain decoding's next
+                # two) (only once drafting has samples of its own, and not where its measured tokens per second lead
+                # the table's plain decoding, which leaves the host out and so flatters plain, by `trusted_margin`;
+                # at c = 1 on a CPU each early probe step of plain decoding gave 1 token where drafting gave ~4.7)
+                enough = max(self.min_samples, self.step_times.min_trim)
+                unseen = other == "plain" and self.step_times.count(key, other) < enough \
+                    and self.step_times.count(key, best) >= enough and not self._leads_by(key, theta["plain"])
+                start = due or (unseen and st.num_started < self.max_first_probes and since > self.probe_len)
+                if start and other == "spec" and self.ends_soon is not None \
+                        and self.ends_soon(self.probe_len * (self.num_spec_tokens + 1)):
+                    # the batch would end in the probe: it stays due. With one output length at c = 256 on the
+                    # H200 demo pair, the requests end together, and probes that began in a wave's last steps
+                    # proposed drafts that no request read and filed no drafting step, so drafting was never
+                    # measured there (the cost table went on deciding, and no step skipped the context write)
+                    start = False
+                if start:
+                    st.arm, st.last_start = other, st.num_decisions
+                    st.left = self.plain_probe_len if other == "plain" else self.probe_len
+                    st.best_before = best if due else None
+                    st.num_started += 1
         arm = best
         if st.left and wave and st.arm == "spec" and best == "plain":
             # a probe of drafting stops at a wave of prompts: such a step is not filed, and drafting costs the most
@@ -508,11 +523,11 @@ class VerificationBudget:
         k = k_spec if arm == "spec" else 0
         self._proposing = k > 0
         # plain decoding holds its place, measured and unchallenged, and drafting's next regular probe is more than
-        # `context_window` decisions away (a probe due by age, or a switch, waits for `ready`). A prompt's step
-        # writes its rows anyway (`ModelRunner.writes_context`) and counts toward the window: counted cold, it
-        # restarted the wait, and at c = 1 with requests of 64 tokens (a window of 64) each request's prefill did,
-        # so a probe due by age never started
-        cold = bool(self.context_window) and not k and not warming and not st.left and not has_prompt and measured \
+        # `context_window` decisions away (a probe due by age, or a switch, waits for `ready`). A step with prompt
+        # chunks skips their rows too (`ModelRunner.writes_context`): with output lengths that vary a request joins
+        # on most steps, and on the H200 demo pair at c = 64 (lengths 32-96) a DSpark engine that wrote on those
+        # steps ran at 0.93-0.96x the plain engine while it drafted on none
+        cold = bool(self.context_window) and not k and not warming and not st.left and measured \
             and st.current == "plain" and st.challenged_at is None \
             and st.last_start + every - st.num_decisions > self.context_window
         self._note_write(cold)
@@ -563,8 +578,8 @@ class VerificationBudget:
         probe due (`every`), the other arm's samples not yet `max_age` old, the context write's state (`cold`)
         unchanged (or, `warming`, until the window is written), no first probe of plain decoding possible where
         drafting runs (`max_first_probes` spent, or plain decoding has its samples: drafting's stretch files none).
-        A prompt's step (`has_prompt`) starts no probe, so it coasts too, but none starts a coast: it writes, where the
-        steps after it may not."""
+        A prompt's step (`has_prompt`) starts no probe, so it coasts too, but none starts a coast: the steps after it
+        may start one."""
         rates = st.rates
         if not measured or st.left or st.best_before is not None or st.challenged_at is not None \
                 or best != st.current or rates is None or rates["plain"] is None or rates["spec"] is None \

@@ -68,7 +68,7 @@ class GraphKey(NamedTuple):
     draft_cols: int  # K, drafts a request may verify: q - 1 for decode / verify rows, 0 for a prefill
     prompt_rows: int = 0  # Tp: a mixed graph's prompt rows after the R·q decode rows (0: not mixed)
     num_prompts: int = 0  # P: its prompt slots, which share those rows (`prompt_slot_rows`)
-    context: bool = True  # the device drafter writes the step's rows into its context (False: plain decode rows
+    context: bool = True  # the device drafter writes the step's rows into its context (False: a plain step's rows
     # while the adaptive budget's plain arm holds, `GraphRunner.decode_context`: the plain engine's graph)
 
     @property
@@ -152,8 +152,8 @@ class GraphRunner:
         longest = max(self.prefill_lens, default=0)
         self.mixed_rows = tuple(t for t in self.prefill_lens if t in (longest // 8, longest // 2, longest))
         self.eager = eager
-        # whether the plain decode graphs (q = 1, nothing proposed) that `key_for` names write the device drafter's
-        # context (`ModelRunner.context_writes`)
+        # whether the plain graphs (decode, prefill and mixed ones that verify and propose nothing) that `key_for`
+        # and `mixed_key_for` name write the device drafter's context (`ModelRunner.context_writes`)
         self.decode_context = True
         self.graphs: dict[GraphKey, StaticGraph] = {}
         self.pool = None
@@ -179,7 +179,7 @@ class GraphRunner:
             return None if R is None else GraphKey(R, q, mode, num_drafts, q - 1, context=context)
         q = next((q for q in self.prefill_lens if q >= num_rows), None)
         R = None if q is None else next((s for s in self.prefill_sizes[q] if s >= num_reqs), None)
-        return None if R is None else GraphKey(R, q, mode, num_drafts, 0)
+        return None if R is None else GraphKey(R, q, mode, num_drafts, 0, context=self.decode_context or num_drafts > 0)
 
     def mixed_key_for(self, num_reqs: int, num_rows: int, mode: str, num_drafts: int, prompt_lens: list[int]
                       ) -> GraphKey | None:
@@ -194,7 +194,11 @@ class GraphRunner:
         rows = next((t for t in self.mixed_rows if t >= need), None)
         if q is None or R is None or rows is None:
             return None
-        return GraphKey(R, q, mode, num_drafts, q - 1, rows, MIXED_PROMPTS)
+        key = GraphKey(R, q, mode, num_drafts, q - 1, rows, MIXED_PROMPTS)
+        if not (self.decode_context or q > 1 or num_drafts):  # the skipping twin, where captured (never on first use)
+            twin = key._replace(context=False)
+            return twin if self.ready(twin) else key
+        return key
 
     def mixed_keys(self, query_lens: list[tuple[int, int]], modes: tuple[str, ...]) -> list[GraphKey]:
         """Every mixed graph of (q, drafts proposed) in `query_lens`, at every batch size and prompt-row count."""

@@ -80,10 +80,11 @@ class ModelRunner(DeviceStep):
 
     @property
     def context_writes(self) -> bool:
-        """Whether the next steps' plain decode rows are written into the device drafter's context. The engine turns
-        it off while the adaptive budget's plain arm holds (`VerificationBudget.writes_context`): a pure decode step
-        that proposes nothing then runs as the plain engine's step (no taps, no context write). A step with a
-        prompt chunk, drafts to verify or drafts to propose writes every row whatever this says."""
+        """Whether the next plain steps' rows (decode rows and prompt chunks) are written into the device drafter's
+        context. The engine turns it off while the adaptive budget's plain arm holds
+        (`VerificationBudget.writes_context`): a step that verifies and proposes nothing then runs as the plain
+        engine's step (no taps, no context write). A step with drafts to verify or to propose writes every row
+        whatever this says."""
         return self._context_writes
 
     @context_writes.setter
@@ -99,7 +100,8 @@ class ModelRunner(DeviceStep):
         for the greedy and plain sampling modes (with and without drafting; prefills of several requests in the
         greedy mode only, the rest on first use: each capture costs ~0.2 s of start-up on the H200); `eager`
         builds the same static steps and runs them eagerly (tests of the padding on CPU). `cold_decode`: the
-        plain decode steps that skip the drafter's context (`context_writes`) are captured too."""
+        plain steps that skip the drafter's context (`context_writes`) are captured too, decode, prefill and mixed:
+        each graph that plain decoding runs gets a twin without the taps and the write (`GraphKey.context`)."""
         from sparkspec.engine.cuda_graphs import GraphRunner
 
         query_lens = (1, 1 + num_spec_tokens) if num_spec_tokens else (1,)
@@ -113,14 +115,13 @@ class ModelRunner(DeviceStep):
         shapes = [(R, q) for R in self.graphs.sizes for q in self.graphs.query_lens]
         shapes += [(R, q) for R, q in self.graphs.prefill_shapes() if R == 1]
         keys = [self.graphs.key_for(R, q, mode, d) for R, q in shapes for mode in ("greedy", "sample") for d in drafts]
-        if cold_decode and self.drafts_on_device:
-            keys += [self.graphs.key_for(R, 1, mode, 0)._replace(context=False) for R in self.graphs.sizes
-                     for mode in ("greedy", "sample")]
         keys += [self.graphs.key_for(R, q, "greedy", d) for R, q in self.graphs.prefill_shapes() if R > 1
                  for d in drafts]
         # mixed graphs (decode rows beside joining prompts) are used only once captured, never captured on first
         # use mid-serving: plain decoding's in both sampling modes, and a drafting engine's verify-and-propose step
         keys += self.graphs.mixed_keys([(1, 0)], ("greedy", "sample"))
+        if cold_decode and self.drafts_on_device:  # every plain step's graph, twinned: no taps, no context write
+            keys += [k._replace(context=False) for k in keys if not k.num_drafts and not k.draft_cols]
         if num_spec_tokens:
             keys += self.graphs.mixed_keys([(1 + num_spec_tokens, drafts[-1])], ("greedy",))
         self.graphs.capture_all(keys)
@@ -265,7 +266,8 @@ class ModelRunner(DeviceStep):
             lp = torch.log_softmax(out.logits[dev["prompt_rows"]].float(), -1)
             down.add("prompt", *gather_logprobs(lp, dev["prompt_next"], p.num_prompt_top))
         if not p.sampling:  # a prefill chunk: context only
-            self.observe_context(batch, out, dev)
+            if context:
+                self.observe_context(batch, out, dev)
             return p, down
         if token_masks is not None:
             dev["token_bitmask"] = self.bitmask_rows(p, token_masks).to(self.device, non_blocking=True)
@@ -362,11 +364,13 @@ class ModelRunner(DeviceStep):
                 slots = dev[L:]
             else:
                 p.upload.add("last_slots", slots_np.tolist())
-                batch, out, dev = self.forward(p)
+                context = self.writes_context(p)
+                batch, out, dev = self.forward(p, context)
                 if not S:
-                    self.observe_context(batch, out, dev)
+                    if context:
+                        self.observe_context(batch, out, dev)
                     return
-                res = self.decode(batch, out, dev, S, p.K, p.mode, p.num_drafts)
+                res = self.decode(batch, out, dev, S, p.K, p.mode, p.num_drafts, context=context)
                 slots = dev["last_slots"]
         self.last_tokens.index_copy_(0, slots, res.tokens[:S, 0])  # q = 1: the token sampled is the pending one
         self.add_fetch(down, res, S)
@@ -377,8 +381,8 @@ class ModelRunner(DeviceStep):
         return self.planner.plan(items, drafts, draft_rows, num_next_drafts, structured)
 
     def writes_context(self, p: PackedStep) -> bool:
-        """Whether step `p` writes the device drafter's context: always, but a pure decode step (one row per
-        request, every one sampling, nothing verified or proposed) while `context_writes` is off."""
+        """Whether step `p` writes the device drafter's context: always, but a plain step (decode rows and prompt
+        chunks, nothing verified or proposed) while `context_writes` is off."""
         if p.key is not None:
             return p.key.context
-        return self._context_writes or bool(p.num_drafts or p.K) or sum(map(len, p.item_ids)) != len(p.sampling)
+        return self._context_writes or bool(p.num_drafts or p.K)

@@ -57,8 +57,8 @@ class EngineStats:
     # request-steps after the first token: plain decode rows + verify blocks (tau's denominator)
     num_decode_rows: int = 0
     num_drafter_skipped_steps: int = 0  # steps where the budget planned no drafts at all
-    # of which those planned without the device drafter's context write (the budget's plain arm, settled; a step
-    # that carries a prompt chunk writes its rows anyway: `ModelRunner.writes_context`)
+    # of which those planned without the device drafter's context write (the budget's plain arm, settled; its
+    # prompt chunks' rows too: `ModelRunner.writes_context`)
     num_context_skipped_steps: int = 0
     num_grammar_redrawn: int = 0  # sampled drafts a response_format grammar refused, redrawn from their masked q
     num_prefix_cache_queries: int = 0  # prompt tokens of admitted requests looked up in the prefix cache
