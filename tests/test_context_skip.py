@@ -89,14 +89,15 @@ def test_a_switch_to_drafting_waits_for_the_context(change):
 
 
 def test_prompt_steps_skip_too_and_a_probe_due_by_age_still_starts():
-    """`bench offline`'s c = 1 levels (a request of 64 tokens joining every 64 steps; 3 s between levels, so each
-    level finds drafting's samples stale): once plain decoding has settled, a prompt's step skips the write as a
+    """`bench offline`'s c = 1 levels (a request of 64 tokens joining every 64 steps; 60 s between levels, so each
+    level finds drafting's samples stale, its age limit grown by its backoff included): once plain decoding has
+    settled, a prompt's step skips the write as a
     decode step does; the probe due by age warms the window through the prompt steps in its way (they write then)
     and runs in every level."""
     clock = FakeClock()
     budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, context_window=W)
     accepting(budget, 2)
-    steps = levels(12, 256, 3.0, **H200_C1)
+    steps = levels(12, 256, 60.0, **H200_C1)
     out = drive(budget, clock, steps)
     ks, writes = [k for k, _, _ in out], [w for _, w, _ in out]
     assert_warm_before_drafting(ks, writes, W)

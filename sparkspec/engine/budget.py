@@ -397,9 +397,10 @@ class VerificationBudget:
         decision), twice that where one arm is > 25 % ahead, four times where the bucket below found plain decoding
         ahead, times a backoff factor. Each probe after which the choice is the same as before it doubles the
         factor (up to `max_backoff`); one after which the choice changed resets it to 1. So a steady workload
-        spends ever fewer steps on the arm that loses, and a change is still found. And, whatever the factor, once
-        the arm's newest sample is `max_age` seconds old (at least `probe_every` decisions after the last probe):
-        the host's speed moves on that scale, and what the samples say moves with it.
+        spends ever fewer steps on the arm that loses, and a change is still found. And once the arm's newest
+        sample is `max_age` seconds old (at least `probe_every` decisions after the last probe): the host's speed
+        moves on that scale, and what the samples say moves with it; drafting's age limit grows with its
+        interval's factor (`_age_limit`).
 
         First probes: right away (up to `max_first_probes` times), plain decoding is probed while it has fewer
         samples than `StepTimes` trims, once drafting has that many of its own, unless drafting's measured tokens
@@ -478,7 +479,7 @@ class VerificationBudget:
             # stale: the arm's samples are `max_age` seconds old (only such probes and regular ones move the backoff:
             # the first ones measure, they confirm nothing)
             newest = self.step_times.newest_at(key, other)
-            stale = newest is not None and self.log.now - newest > self.max_age
+            stale = newest is not None and self.log.now - newest > self._age_limit(other, every)
             due = since >= every or (stale and since >= self.probe_every)
             if other == "spec" and due and not ready:
                 # the probe starts once the context is written (it stays due meanwhile); a prompt's step writes
@@ -563,6 +564,16 @@ class VerificationBudget:
         best: Arm = "spec" if self._spec_leads(theta, key, True, st.current) else "plain"
         return best == st.current and self._probe_interval(st, theta, best) == c.every
 
+    def _age_limit(self, other: Arm, every: int) -> float:
+        """Seconds after which the samples of `other`, the arm not chosen, are stale (a probe of it is due):
+        `max_age`, and for drafting that times the factor its probe interval `every` has grown by (the backoff
+        its probes confirmed, a clear loss): a drafting step, bound by the device, moves little with the host's
+        speed, and its probe is the costly one. On the H200 demo pair at c = 256 (drafting at ~0.5x plain
+        decoding) each level of `bench offline` found drafting's samples stale and probed it: three steps of
+        ~12 ms against ~3, and requests of one length left their lockstep (joining on many steps, not in waves),
+        at ~0.85x plain decoding where a budget held on plain ran at 0.97x."""
+        return self.max_age * (every // self.probe_every) if other == "spec" else self.max_age
+
     def _probe_interval(self, st: _Probe, theta: dict[Arm, float], best: Arm, prior: bool = False) -> int:
         """Decisions between regular probes of the arm not chosen (`next_num_drafts`): `probe_every` times the
         backoff, twice that where `best` leads by `clear_lead`, four times where the bucket below rejected drafting
@@ -596,10 +607,11 @@ class VerificationBudget:
         deadline = float("inf")
         newest = self.step_times.newest_at(key, other)
         if newest is not None:
-            if self.log.now - newest > self.max_age:  # stale: a probe is due once `probe_every` decisions have passed
+            age_limit = self._age_limit(other, every)
+            if self.log.now - newest > age_limit:  # stale: a probe is due once `probe_every` decisions have passed
                 bound = min(bound, st.last_start + self.probe_every)
             else:
-                deadline = newest + self.max_age
+                deadline = newest + age_limit
         until = min(st.rates_at + self.refresh, bound)
         if st.num_decisions + 1 >= until:
             return None
