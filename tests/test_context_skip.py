@@ -207,8 +207,15 @@ def test_skipping_graphs_leave_exactly_their_rows(method, overlap):
     plain engine's graph (no taps, no context write), and nothing else changes."""
     ref_out, ref_made, _, ref_rows = scripted_run(method, True, skip=False, warm=16, overlap=overlap, cuda=True)
     out, made, skipped, rows = scripted_run(method, True, skip=True, warm=16, overlap=overlap, cuda=True)
-    assert out == ref_out
-    assert made == ref_made and len(made) >= 20
+    assert out == ref_out, first_difference(dict(enumerate(out)), dict(enumerate(ref_out)))
+    assert made == ref_made and len(made) >= 20, first_difference(made, ref_made)
     for rid, pos in skipped.items():
         for pools, ref_pools in zip(rows[rid], ref_rows[rid]):
-            assert sorted((pools != ref_pools).any(-1).nonzero().flatten().tolist()) == pos, rid
+            differs = sorted((pools != ref_pools).any(-1).nonzero().flatten().tolist())
+            assert differs == pos, (rid, sorted(set(differs) ^ set(pos)))
+
+
+def first_difference(got: dict, want: dict) -> tuple:
+    """(key, got, want) of the first key, in order, whose values differ (a failure's message)."""
+    key = next((k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k)), None)
+    return key, got.get(key), want.get(key)
