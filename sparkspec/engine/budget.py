@@ -570,8 +570,8 @@ class VerificationBudget:
         its probes confirmed, a clear loss): a drafting step, bound by the device, moves little with the host's
         speed, and its probe is the costly one. On the H200 demo pair at c = 256 (drafting at ~0.5x plain
         decoding) each level of `bench offline` found drafting's samples stale and probed it: three steps of
-        ~12 ms against ~3, and requests of one length left their lockstep (joining on many steps, not in waves),
-        at ~0.85x plain decoding where a budget held on plain ran at 0.97x."""
+        ~12 ms against ~3, and requests of one length left their lockstep (joining on many steps, not in waves):
+        0.81-0.88x plain decoding, where a budget held on plain ran at 0.97x (0.98 with this)."""
         return self.max_age * (every // self.probe_every) if other == "spec" else self.max_age
 
     def _probe_interval(self, st: _Probe, theta: dict[Arm, float], best: Arm, prior: bool = False) -> int:
