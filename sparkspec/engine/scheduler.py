@@ -239,8 +239,7 @@ class Scheduler:
     def finishing(self, seq: Sequence) -> bool:
         """The tokens `seq` has and has in flight reach its length limit (async scheduling: the step launched ahead
         holds its last token)."""
-        num_out = len(seq.output_ids) + seq.num_inflight
-        return num_out >= seq.params.max_tokens or len(seq.prompt_ids) + num_out >= self.config.max_model_len
+        return seq.num_tokens_left <= 0 or seq.num_tokens + seq.num_inflight >= self.config.max_model_len
 
     def preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's caches; it re-enters the queue first and is recomputed later."""

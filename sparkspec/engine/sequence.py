@@ -100,6 +100,11 @@ class Sequence:
         return self.num_tokens - self.num_cached_tokens
 
     @property
+    def num_tokens_left(self) -> int:
+        """Tokens it may still produce under `max_tokens`, those in flight counted as produced (async scheduling)."""
+        return self.params.max_tokens - len(self.output_ids) - self.num_inflight
+
+    @property
     def spec_cap(self) -> int | None:
         """Most drafts this request verifies per step (None: no cap of its own; 0: speculation off)."""
         return self.params.num_spec_tokens

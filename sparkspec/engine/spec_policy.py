@@ -137,8 +137,7 @@ class SpecPolicy:
         requests end together, and drafting's step at a wave's end (a probe's first, say) cost 28 ms against 4 ms
         for a plain one. The pass stops at the first request that goes on, most often the first."""
         for it in items:
-            seq = it.seq
-            if it.samples and len(seq.output_ids) + seq.num_inflight + 1 < seq.params.max_tokens:
+            if it.samples and it.seq.num_tokens_left > 1:
                 return False
         return True
 
@@ -148,9 +147,8 @@ class SpecPolicy:
         num = ending = 0
         for it in self._items:
             if it.samples:
-                seq = it.seq
                 num += 1
-                ending += seq.params.max_tokens - len(seq.output_ids) - seq.num_inflight <= within
+                ending += it.seq.num_tokens_left <= within
         return num > 0 and 2 * ending >= num
 
     # ---- after the step ----
