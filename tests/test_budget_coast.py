@@ -81,6 +81,11 @@ def scenarios():
         moving.append({"reqs": r, "plain_s": 0.0001 * r, "spec_s": 0.00028 * r, "spec_tokens": 2.5 * r,
                        "prompt": rng.random() < 0.05, "gap": 2.5 if i % 700 == 699 else 0.0})
     yield "moving batch", moving, {}
+    # requests join on most steps (each a prompt's: 130 tokens beside 64 decode rows), in runs that pass
+    # `StepLog.every_step_after` and runs that do not
+    joining = [{"reqs": 64, "plain_s": 0.0016, "spec_s": 0.0045, "spec_tokens": 150, "prompt": rng.random() < 0.93}
+               for _ in range(5000)]
+    yield "joins on most steps", joining, {}
 
 
 def table_not_padded() -> CostTable:

@@ -110,6 +110,49 @@ def test_prompt_steps_skip_too_and_a_probe_due_by_age_still_starts():
         assert any(steps[lv * 256 + i]["prompt"] for i in range(start - W, start))  # a prompt step warmed it
 
 
+@pytest.mark.parametrize("free_steps,heavy", [(0, False), (40, False), (0, True)])
+def test_requests_joining_on_every_step_still_measure_both_arms_and_skip_the_context(free_steps, heavy):
+    """The H200 demo pair at c = 256 with output lengths 32-96: about four requests end, and four join, on every
+    step (here one per 64 tokens produced: 4 a plain step, 8-9 a drafting one), after `free_steps` steps that carry
+    none (a level's requests start together). A plain step costs 4 ms + 0.3 ms a chunk for 256 tokens, a drafting
+    one 12 ms + 1 ms a chunk for 563. Once 16 steps in a row carried chunks, the steps are filed as what they cost
+    without them, so both arms are measured, plain decoding holds its place, and its steps skip the drafter's
+    context. Before, no step was filed: the cost table (which says draft here) decided every step, and every step
+    wrote. `heavy`: the chunks outweigh the decode rows (`has_prompt`), so a probe of drafting starts on a prompt's
+    step (before, none did, and drafting was never measured)."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock, context_window=W)
+    accepting(budget, 2)
+    state = {"produced": 0, "joining": 0}
+    writes: list[bool] = []
+
+    def tokens(n, verified, proposed):
+        made = 563 if verified else 256
+        before = state["produced"]
+        state["produced"] += made
+        state["joining"] = 0 if n + 1 < free_steps else state["produced"] // 64 - before // 64
+        return made
+
+    def seconds(n, verified, proposed):
+        writes.append(budget.writes_context)
+        chunks = state["joining"]
+        return 0.012 + 0.001 * chunks if verified or proposed else 0.004 + 0.0003 * chunks
+
+    ks = run_loop(budget, clock, 256, seconds, 3000, tokens=tokens, chunks=lambda n: state["joining"],
+                  has_prompt=lambda n: heavy and state["joining"] > 0)
+    assert budget.measured(256)
+    assert clock.now - budget.step_times.newest_at(256, "plain") < 0.1  # filed while requests join
+    assert budget.measured_theta(256, "plain") == pytest.approx(256 / 0.0052)  # joins included, once
+    assert budget.measured_theta(256, "plain") > 1.25 * budget.measured_theta(256, "spec")
+    if free_steps:  # plain decoding's cost per chunk is known from the free steps: it is taken off its samples
+        assert budget.step_times.seconds(256, "plain") == pytest.approx(0.004)
+        # and drafting's, scaled by its step's share without them (`StepLog.chunk_cost`): 12 ms, within the 3 %
+        # that this scaling leaves (1 ms a chunk against 0.3 x 12.3 / 4)
+        assert budget.step_times.seconds(256, "spec") == pytest.approx(0.012, rel=0.05)
+    assert sum(k > 0 for k in ks[1000:]) <= 20  # probes only
+    assert sum(not w for w in writes[1000:]) / 2000 > 0.9
+
+
 def scripted_run(method: str, static: bool, skip: bool, warm: int, overlap: bool = False, cuda: bool = False
                  ) -> tuple[list, dict, dict, dict]:
     """A run of 5 prompts (greedy and sampled with seeds): 2 steps (prompts), 12 plain steps that skip the

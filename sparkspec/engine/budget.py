@@ -371,14 +371,7 @@ class VerificationBudget:
         rate = self.step_times.corrected_throughput(num_reqs, arm, self.log.now)
         if rate is None:
             return None
-        cost = self.join_costs.per_chunk(num_reqs, arm)
-        if cost is None:
-            other = OTHER_ARM[arm]
-            cost = self.join_costs.per_chunk(num_reqs, other)
-            if cost is not None:  # (the step times are asked only then: a mean over the window each)
-                mine, theirs = self.step_times.seconds(num_reqs, arm), self.step_times.seconds(num_reqs, other)
-                cost = cost * mine / theirs if mine is not None and theirs else None
-        cost = cost or 0.0
+        cost = self.log.chunk_cost(num_reqs, arm) or 0.0
         return 1.0 / (1.0 / max(rate, 1e-9) + cost * self.join_costs.chunks_per_token())
 
     def plan_num_drafts(self, num_reqs: int, num_base_tokens: int) -> int:
@@ -416,7 +409,8 @@ class VerificationBudget:
 
         `num_running`: the request count that buckets the measurements (`note_step`'s). No probe starts on a step
         that carries a prompt chunk (`has_prompt`): the next one most likely does too (prompts arrive in bursts),
-        and such steps are not filed (`note_step`), so the probe would measure nothing. A probe of drafting in
+        and such steps are not filed (`note_step`), so the probe would measure nothing; unless requests join on
+        every step (`StepLog.joins_every_step`), where they are. A probe of drafting in
         progress stops at a `wave` of prompts (more chunks than a quarter of the decode rows: `StepLog.note_step`)."""
         if self.mode == "fixed" or num_reqs == 0:
             return self.num_spec_tokens
@@ -486,7 +480,7 @@ class VerificationBudget:
                 # too: at c = 1 with requests of 64 tokens (a window of 64) each request's prompt step skipped the
                 # write and restarted the wait, so a probe due by age never started
                 warming = True
-            elif not has_prompt:
+            elif not has_prompt or self.log.joins_every_step:
                 # until the arm has the samples that let its slowest one be dropped (the first after a switch of
                 # arm is often slow: on the H200 demo pair at c = 64, 4.1 ms against 2.0 for plain decoding's next
                 # two) (only once drafting has samples of its own, and not where its measured tokens per second lead
@@ -532,7 +526,8 @@ class VerificationBudget:
             and st.current == "plain" and st.challenged_at is None \
             and st.last_start + every - st.num_decisions > self.context_window
         self._note_write(cold)
-        if self.coast and self.trace is None and not has_prompt and (arm == best or warming):
+        if self.coast and self.trace is None and (not has_prompt or self.log.joins_every_step) \
+                and (arm == best or warming):
             self._coast = self._coast_from(st, key, bucket, num_reqs, num_base_tokens, measured, best, other, every,
                                            k, cold, warming)
         if self.trace is not None:
@@ -589,7 +584,8 @@ class VerificationBudget:
         probe due (`every`), the other arm's samples not yet `max_age` old, the context write's state (`cold`)
         unchanged (or, `warming`, until the window is written), no first probe of plain decoding possible where
         drafting runs (`max_first_probes` spent, or plain decoding has its samples: drafting's stretch files none).
-        A prompt's step (`has_prompt`) starts no probe, so it coasts too, but none starts a coast: the steps after it
+        A prompt's step (`has_prompt`) starts no probe (but where requests join on every step:
+        `StepLog.joins_every_step`), so it coasts too, but none starts a coast (but there): the steps after it
         may start one."""
         rates = st.rates
         if not measured or st.left or st.best_before is not None or st.challenged_at is not None \

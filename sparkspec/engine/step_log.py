@@ -5,14 +5,16 @@ the engine and its caller did for it, host included, less the time the garbage c
 (`GCClock`). The engine tells what the step does (`note_step`: its bucket's request count, drafts verified and
 proposed, its prompt chunks) and what it produced (`note_tokens`); the step is then filed under its arm
 (`StepTimes`), or, where it carried a joining request's chunk, with `JoinCosts`, or not at all (a transition, a
-wave of prompts, a launch async scheduling skips), with why in the trace (`bench offline --trace-budget`).
+wave of prompts, a launch async scheduling skips), with why in the trace (`bench offline --trace-budget`). Where
+requests join on every step, no step is free of a chunk to time an arm by: such steps are then filed as the step
+they would have been without their chunks (`StepLog.every_step_after`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from sparkspec.engine.step_times import Arm, GCClock, JoinCosts, StepTimes
+from sparkspec.engine.step_times import OTHER_ARM, Arm, GCClock, JoinCosts, StepTimes
 
 
 def is_wave(num_chunks: int, num_decode: int) -> bool:
@@ -24,7 +26,7 @@ def is_wave(num_chunks: int, num_decode: int) -> bool:
 class StepLog:
     """Files each step's wall time under its arm as the next step starts; owns `StepTimes` and `JoinCosts`."""
 
-    def __init__(self, clock: Callable[[], float], gc_clock: GCClock | None = None):
+    def __init__(self, clock: Callable[[], float], gc_clock: GCClock | None = None, every_step_after: int = 16):
         self.step_times = StepTimes()
         self.join_costs = JoinCosts()
         self.clock = clock
@@ -41,13 +43,26 @@ class StepLog:
         self._last_decode = 0  # and its decode rows
         # a list to append every filed (or unfiled) step to, shared with the budget's decisions; None: off
         self.trace: list[dict] | None = None
+        # after this many steps in a row that carried chunks, a step with chunks (not a wave) is filed with
+        # `StepTimes` as its seconds less what its chunks cost (`chunk_cost`), not with `JoinCosts`. Where requests
+        # join on every step, no step is free of one: on the H200 demo pair at c = 256 with output lengths 32-96,
+        # about four requests end, and four join, on every step. `JoinCosts` files a step with chunks against the
+        # arm's step without one, which was never timed there, so neither arm was ever measured: the cost table
+        # decided every step, and the drafter's context was written on every step (the write is skipped only once
+        # both arms are measured: 0-4 % of the steps skipped it, where c = 64 skipped it on 21-77 %). 16: with
+        # one request joining a step on average (c = 64, output 64), 16 in a row carry one about once in 1,500 steps
+        # (a drafting stretch, more tokens a step, reaches it more often: its steps are then filed so too)
+        self.every_step_after = every_step_after
+        self._chunk_run = 0  # steps in a row, up to the last one filed, that carried chunks
 
     def boundary(self) -> None:
         """A step starts: the interval since the previous start, less the time the garbage collector took in it
         (`GCClock`), is that step's wall time, filed under its arm (steps that verified and proposed drafts: spec;
         neither: plain; a transition between them: not filed): with `StepTimes` where it carried no prompt chunk,
-        else with `JoinCosts`, as its seconds over the arm's step without one. Every step's chunks and tokens go to
-        `JoinCosts`' rate."""
+        else with `JoinCosts`, as its seconds over the arm's step without one, or, after `every_step_after` steps
+        in a row with chunks, with `StepTimes` as its seconds less its chunks' cost (`chunk_cost`; where no cost per
+        chunk is known, nothing less: the chunks then count in the arm's step time, which holds where each arm
+        carries its share of joins). Every step's chunks and tokens go to `JoinCosts`' rate."""
         now = self.clock()
         in_gc = self.gc_clock.seconds if self.gc_clock is not None else 0.0
         if self._step_start is not None:
@@ -60,9 +75,14 @@ class StepLog:
                 if verified != proposed:
                     why = "transition"
                 elif chunks:
-                    free = self.step_times.seconds(num_reqs, arm)
-                    if free is None or is_wave(chunks, self._last_decode):
-                        why = "prompt"  # a wave of prompts, or nothing to measure them against yet
+                    if is_wave(chunks, self._last_decode):
+                        why = "prompt"  # a wave of prompts
+                    elif self.joins_every_step:
+                        why = None  # requests join on every step: the step without its chunks
+                        less = (self.chunk_cost(num_reqs, arm, seconds, chunks) or 0.0) * chunks
+                        self.step_times.observe(num_reqs, arm, seconds - less, tokens, now)
+                    elif (free := self.step_times.seconds(num_reqs, arm)) is None:
+                        why = "prompt"  # nothing to measure them against yet
                     else:
                         why = "joined"
                         self.join_costs.observe(num_reqs, arm, seconds - free, chunks)
@@ -74,10 +94,44 @@ class StepLog:
             if tokens is not None and 0.0 < seconds <= self.step_times.max_seconds:
                 self.join_costs.note_rate(chunks, tokens)
             if self.trace is not None:  # every step: those not filed too, with why (a later estimator's data)
-                self.trace.append(self._event(last, why, seconds, in_gc - self._gc_at_start))
+                event = self._event(last, why, seconds, in_gc - self._gc_at_start)
+                if why is None and chunks:  # (filed less what its chunks cost)
+                    event["chunks_ms"] = round(1e3 * less, 3)
+                self.trace.append(event)
+            self._chunk_run = self._chunk_run + 1 if chunks else 0
         self._step_start, self._last_step, self._last_tokens, self._gc_at_start = now, None, None, in_gc
         self._last_chunks = 0
         self.now = now
+
+    @property
+    def joins_every_step(self) -> bool:
+        """Requests have joined on every step of late: the next step with chunks is filed as the step without them
+        (`every_step_after`), so a probe may start on a prompt's step (`VerificationBudget.next_num_drafts`)."""
+        return self._chunk_run >= self.every_step_after
+
+    def chunk_cost(self, num_reqs: int, arm: Arm, seconds: float | None = None, num_chunks: int = 0
+                   ) -> float | None:
+        """Seconds a prompt chunk adds to the arm's step in `num_reqs`' bucket: its own cost per chunk
+        (`JoinCosts`), else the other arm's times the ratio of their steps without one (a prompt runs as a part of
+        the arm's step: with the drafter where it drafts). Where the arm has no such step timed yet, a step of
+        `seconds` that carried `num_chunks` gives its part without them: free = seconds / (1 + the other's cost per
+        chunk x chunks / the other's step). None: not known."""
+        cost = self.join_costs.per_chunk(num_reqs, arm)
+        if cost is not None:
+            return cost
+        other = OTHER_ARM[arm]
+        cost = self.join_costs.per_chunk(num_reqs, other)
+        if cost is None:
+            return None
+        theirs = self.step_times.seconds(num_reqs, other)  # (asked only now: a mean over the window each)
+        if not theirs:
+            return None
+        mine = self.step_times.seconds(num_reqs, arm)
+        if mine is None:
+            if seconds is None:
+                return None
+            mine = seconds / (1.0 + cost * num_chunks / theirs)
+        return cost * mine / theirs
 
     def _event(self, last: tuple[int, bool, bool, bool] | None, why: str | None, seconds: float, gc_seconds: float
                ) -> dict:
