@@ -190,7 +190,7 @@ def test_profile_host_on_the_demo(tmp_path, capsys):
         assert all(e["unfiled"] in ("prompt", "transition", "skipped") and e["ms"] >= 0 for e in unfiled)
         joined = [e for e in t["events"] if "joined" in e]  # steps that carried a request joining (`JoinCosts`)
         assert all(e["chunks"] >= 1 and e["joined"] in ("plain", "spec") for e in joined)
-        assert all(e["chunks"] == 0 for e in filed)
+        assert all(e["chunks"] == 0 or "chunks_ms" in e for e in filed)  # (less their cost: `StepLog`)
         assert len(filed) + len(unfiled) + len(joined) >= len(decided) - 1
     data = json.loads(out.read_text())
     assert data["meta"]["profile_host"] is True
@@ -210,6 +210,18 @@ def test_profile_host_on_the_demo(tmp_path, capsys):
             assert ph["choose"] > 0 and ph["propose_plan"] > 0
         assert len(r["gc_collections"]) == 3 and r["gc_us_per_step"] >= 0
         assert "budget_trace" not in r  # the trace goes to its own file
+
+
+def test_the_trace_summary_counts_each_kind_of_step():
+    from sparkspec.bench.offline import summarize_trace
+
+    events = [{"decided": "plain", "probe": None}, {"decided": "spec", "probe": "spec"},
+              {"filed": "plain", "ms": 4.0, "tokens": 256, "chunks": 0},
+              {"filed": "plain", "ms": 6.0, "tokens": 250, "chunks": 4, "chunks_ms": 1.2},
+              {"joined": "plain", "ms": 5.0, "chunks": 3}, {"unfiled": "transition", "ms": 9.0}]
+    assert summarize_trace(events) == ("1 plain; 1 probe spec; filed plain 2 x 5.00 ms, 253.0 tokens (1 less their "
+                                       "chunks); joined plain 1 x 5.00 ms, 3.0 chunks; not filed 1 transition (9 ms "
+                                       "in all)")
 
 
 def test_without_the_flag_rows_have_no_profile(tmp_path):

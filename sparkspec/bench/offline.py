@@ -289,8 +289,9 @@ def release(device) -> None:
 
 
 def summarize_trace(events: list[dict]) -> str:
-    """One line: decisions per arm (probes apart), steps filed per arm with their mean ms and tokens, steps that
-    carried joining requests per arm (their ms and chunks), and the steps not filed by why
+    """One line: decisions per arm (probes apart), steps filed per arm with their mean ms and tokens (and how many
+    were filed less their chunks' cost), steps that carried joining requests per arm (their ms and chunks), and the
+    steps not filed by why
     (`VerificationBudget.step_boundary`)."""
     from collections import Counter
 
@@ -301,8 +302,10 @@ def summarize_trace(events: list[dict]) -> str:
         if filed:
             ms = sum(e["ms"] for e in filed) / len(filed)
             toks = [e["tokens"] for e in filed if e["tokens"] is not None]
+            less = sum("chunks_ms" in e for e in filed)  # (requests joining on every step: `StepLog`)
             parts.append(f"filed {arm} {len(filed)} x {ms:.2f} ms"
-                         + (f", {sum(toks) / len(toks):.1f} tokens" if toks else ""))
+                         + (f", {sum(toks) / len(toks):.1f} tokens" if toks else "")
+                         + (f" ({less} less their chunks)" if less else ""))
         joined = [e for e in events if e.get("joined") == arm]
         if joined:
             chunks = sum(e["chunks"] for e in joined)

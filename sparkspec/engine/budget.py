@@ -15,7 +15,9 @@ So the regime decision ("propose and verify drafts" = arm `spec`, or "plain deco
 wall time the engine actually sees: `StepTimes` keeps, per request-count bucket and arm, the (trimmed) mean of the
 last intervals between the starts of consecutive steps (everything the engine and its caller do per step) without
 a prompt chunk; `JoinCosts` keeps what the steps with one cost each arm over that, per chunk, and the chunks per
-produced token (requests joining: `note_step`; `step_log.py` files each step with one of them), and
+produced token (requests joining: `note_step`; `step_log.py` files each step with one of them; where requests join
+on every step, as they do at c = 256 with output lengths that vary, a step with chunks is filed as the arm's step
+less its chunks' cost), and
     Theta_arm = 1 / (seconds / produced token over the arm's samples + seconds per chunk x chunks per token)
 (the engine tells each step's tokens),
 else Theta_plain = R / T_plain(R), Theta_spec = tau_spec(R) / T_spec(R) with tau_spec from the online acceptance
