@@ -586,6 +586,38 @@ def test_an_arm_not_seen_joining_is_charged_the_other_arms_cost_per_chunk_scaled
     assert budget.measured_theta(16, "plain") == pytest.approx(1 / (0.001 / 16 + 0.0005 * rho))
 
 
+def test_a_run_of_steps_with_joining_requests_ends_at_idle_and_needs_decode_rows():
+    """Steps with chunks are filed as steps without them only within a run of 16 or more (`StepLog.joins_every_step`)
+    and beside decode rows: a prompt-only step is a request's prefill, not a join beside a running batch; and the
+    engine going idle ends the run (the next burst's first steps carry its prompts)."""
+    clock = FakeClock()
+    budget = VerificationBudget("adaptive", K, flat_table(), padded=True, clock=clock)
+
+    def step(reqs, chunks, decode, seconds=0.002):
+        budget.step_boundary()
+        budget.note_step(reqs, 0, 0, False, 10 * chunks, chunks, decode)
+        clock.now += seconds
+        budget.note_tokens(decode + chunks)
+
+    def joining_run():
+        for _ in range(20):
+            step(64, 1, 63)
+        assert budget.log.joins_every_step
+
+    joining_run()
+    step(1, 1, 0, 0.01)  # a prompt alone
+    step(2, 1, 1)
+    budget.step_boundary()
+    assert budget.step_times.count(64, "plain") == 20 - 16  # the steps after the first 16
+    assert budget.step_times.count(1, "plain") == 0 and budget.step_times.count(2, "plain") == 1
+    joining_run()
+    budget.idle()
+    clock.now += 1.0
+    step(2, 1, 1)  # one request running, one joining: the first step of a new run
+    budget.step_boundary()
+    assert not budget.log.joins_every_step and budget.step_times.count(2, "plain") == 1
+
+
 @pytest.mark.parametrize("told_idle", [True, False])
 def test_the_wait_for_work_is_no_steps_time(told_idle):
     """Levels of steps at one request (plain: 1 ms for one token; drafting: 4 ms for two) end, and the engine

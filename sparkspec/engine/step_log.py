@@ -43,7 +43,8 @@ class StepLog:
         self._last_decode = 0  # and its decode rows
         # a list to append every filed (or unfiled) step to, shared with the budget's decisions; None: off
         self.trace: list[dict] | None = None
-        # after this many steps in a row that carried chunks, a step with chunks (not a wave) is filed with
+        # after this many steps in a row that carried chunks, a step with chunks beside decode rows (not a wave;
+        # a prompt alone is a request's prefill, not a join; the run ends when the engine goes idle) is filed with
         # `StepTimes` as its seconds less what its chunks cost (`chunk_cost`), not with `JoinCosts`. Where requests
         # join on every step, no step is free of one: on the H200 demo pair at c = 256 with output lengths 32-96,
         # about four requests end, and four join, on every step. `JoinCosts` files a step with chunks against the
@@ -77,7 +78,7 @@ class StepLog:
                 elif chunks:
                     if is_wave(chunks, self._last_decode):
                         why = "prompt"  # a wave of prompts
-                    elif self.joins_every_step:
+                    elif self.joins_every_step and self._last_decode:
                         why = None  # requests join on every step: the step without its chunks
                         less = (self.chunk_cost(num_reqs, arm, seconds, chunks) or 0.0) * chunks
                         self.step_times.observe(num_reqs, arm, seconds - less, tokens, now)
@@ -161,6 +162,7 @@ class StepLog:
         of a drafting one."""
         self.boundary()
         self._step_start = None
+        self._chunk_run = 0  # (the next burst's first steps carry its prompts: a wave, or one request joining)
 
     def note_step(self, num_reqs: int, num_verified: int, num_proposed: int, has_prompt: bool = False,
                   prompt_tokens: int = 0, num_chunks: int = 0, num_decode: int = 0) -> None:
