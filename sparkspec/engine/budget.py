@@ -470,6 +470,9 @@ class VerificationBudget:
         every = self._probe_interval(st, theta, best, prior)  # (a clear loser, or one rejected below: less often)
         ready = self._warm >= self.context_window  # the drafter's window rows are all written
         warming = False  # drafting (or a probe of it) waits for `ready`
+        # a probe may start on this step, and a coast from it: not on a prompt's step, where the next one most likely
+        # carries prompts too and is not filed, unless requests join on every step (then such steps are filed)
+        may_start = not has_prompt or self.log.joins_every_step
         if not st.left:
             since = st.num_decisions - st.last_start
             # stale: the arm's samples are `max_age` seconds old (only such probes and regular ones move the backoff:
@@ -482,7 +485,7 @@ class VerificationBudget:
                 # too: at c = 1 with requests of 64 tokens (a window of 64) each request's prompt step skipped the
                 # write and restarted the wait, so a probe due by age never started
                 warming = True
-            elif not has_prompt or self.log.joins_every_step:
+            elif may_start:
                 # until the arm has the samples that let its slowest one be dropped (the first after a switch of
                 # arm is often slow: on the H200 demo pair at c = 64, 4.1 ms against 2.0 for plain decoding's next
                 # two) (only once drafting has samples of its own, and not where its measured tokens per second lead
@@ -528,8 +531,7 @@ class VerificationBudget:
             and st.current == "plain" and st.challenged_at is None \
             and st.last_start + every - st.num_decisions > self.context_window
         self._note_write(cold)
-        if self.coast and self.trace is None and (not has_prompt or self.log.joins_every_step) \
-                and (arm == best or warming):
+        if self.coast and self.trace is None and may_start and (arm == best or warming):
             self._coast = self._coast_from(st, key, bucket, num_reqs, num_base_tokens, measured, best, other, every,
                                            k, cold, warming)
         if self.trace is not None:

@@ -70,6 +70,7 @@ class StepLog:
             seconds = now - self._step_start - (in_gc - self._gc_at_start)  # (`GCClock`)
             chunks, tokens, last = self._last_chunks, self._last_tokens, self._last_step
             why = "skipped"  # (the trace's word for a step not filed; None: filed with `StepTimes`)
+            less = 0.0  # seconds taken off a step filed without its chunks (`joins_every_step`)
             if last is not None:
                 num_reqs, verified, proposed, has_prompt = last
                 arm: Arm = "spec" if verified else "plain"
@@ -96,7 +97,7 @@ class StepLog:
                 self.join_costs.note_rate(chunks, tokens)
             if self.trace is not None:  # every step: those not filed too, with why (a later estimator's data)
                 event = self._event(last, why, seconds, in_gc - self._gc_at_start)
-                if why is None and chunks:  # (filed less what its chunks cost)
+                if why is None and chunks:  # (filed less what its chunks cost: `less`)
                     event["chunks_ms"] = round(1e3 * less, 3)
                 self.trace.append(event)
             self._chunk_run = self._chunk_run + 1 if chunks else 0
